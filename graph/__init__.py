@@ -1,0 +1,6 @@
+"""The IR: typed tensors with symbolic dims, ops with numpy references, the Graph."""
+from kiln.graph.dtype import DType, from_numpy, to_numpy  # noqa: F401
+from kiln.graph.graph import Graph, GraphError  # noqa: F401
+from kiln.graph.op import Node, OpDef, OpRegistry  # noqa: F401
+from kiln.graph.ops import OPS  # noqa: F401
+from kiln.graph.tensor import Dim, Tensor, TensorKind  # noqa: F401
