@@ -1,0 +1,209 @@
+"""The op library: shape inference and the numpy reference of every op.
+
+References compute in float32 whatever the storage dtype and return the
+declared output dtype. Shapes in comments use the symbols of graph/tensor.py.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from kiln.graph.dtype import DType, to_numpy
+from kiln.graph.op import OpRegistry
+from kiln.graph.rope import rope_parameters
+from kiln.graph.tensor import Tensor
+
+OPS = OpRegistry()
+
+_f32 = np.float32
+
+
+def _like(i: int = 0):
+    def infer(ins: Sequence[Tensor], attrs: Mapping[str, Any]):
+        return [(ins[i].dtype, ins[i].shape)]
+    return infer
+
+
+def _as(x: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return x if x.dtype == like.dtype else x.astype(like.dtype)
+
+
+# -- embedding and projections -------------------------------------------------------
+
+@OPS.register("embedding", inputs=2,
+              infer=lambda ins, a: [(ins[1].dtype, (ins[0].shape[0], ins[1].shape[1]))])
+def embedding(ids, table):
+    """ids: i32[T], table: [V, H] -> [T, H]"""
+    return table[ids]
+
+
+def _infer_linear(ins, attrs):
+    x, w = ins[0], ins[1]
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]}, weight {w.name} has K={w.shape[1]}")
+    return [(x.dtype, (*x.shape[:-1], w.shape[0]))]
+
+
+@OPS.register("linear", inputs=(2, 3), infer=_infer_linear)
+def linear(x, w, bias=None):
+    """x: [..., K], w: [N, K] (the HF layout), bias: [N] -> [..., N]"""
+    y = x.astype(_f32, copy=False) @ w.astype(_f32, copy=False).T
+    if bias is not None:
+        y += bias.astype(_f32, copy=False)
+    return _as(y, x)
+
+
+@OPS.register("gather_rows", inputs=2,
+              infer=lambda ins, a: [(ins[0].dtype, (ins[1].shape[0], *ins[0].shape[1:]))])
+def gather_rows(x, idx):
+    """x: [T, ...], idx: i32[L] -> [L, ...]; picks the rows whose logits are sampled"""
+    return x[idx]
+
+
+# -- elementwise and norms -----------------------------------------------------------
+
+@OPS.register("rms_norm", inputs=2, infer=_like())
+def rms_norm(x, w, *, eps: float, offset: float = 0.0):
+    """x: [..., H], w: [H]. Normalises over the last dim (per-head q/k norm passes
+    x: [T, heads, D]). offset=1 gives the Gemma/Qwen3-Next (1 + w) form."""
+    xf = x.astype(_f32, copy=False)
+    var = np.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * (1.0 / np.sqrt(var + _f32(eps)))
+    # Llama-style: cast the normalised value to the storage dtype, then scale (HF LlamaRMSNorm)
+    y = _as(y, x).astype(_f32, copy=False) * (w.astype(_f32) + _f32(offset))
+    return _as(y, x)
+
+
+@OPS.register("add", inputs=2, infer=_like())
+def add(a, b):
+    return _as(a.astype(_f32, copy=False) + b.astype(_f32, copy=False), a)
+
+
+@OPS.register("mul", inputs=2, infer=_like())
+def mul(a, b):
+    return _as(a.astype(_f32, copy=False) * b.astype(_f32, copy=False), a)
+
+
+def _silu(x):
+    xf = x.astype(_f32, copy=False)
+    return xf / (1.0 + np.exp(-xf))
+
+
+@OPS.register("silu", inputs=1, infer=_like())
+def silu(x):
+    return _as(_silu(x), x)
+
+
+@OPS.register("silu_mul", inputs=2, infer=_like())
+def silu_mul(gate, up):
+    """silu(gate) * up, the SwiGLU activation"""
+    return _as(_silu(gate) * up.astype(_f32, copy=False), gate)
+
+
+def _infer_reshape(ins, attrs):
+    return [(ins[0].dtype, tuple(attrs["shape"]))]
+
+
+@OPS.register("reshape", inputs=1, infer=_infer_reshape)
+def reshape(x, *, shape):
+    """At most one symbolic dim; it becomes -1."""
+    return x.reshape(tuple(d if isinstance(d, int) else -1 for d in shape))
+
+
+@OPS.register("cast", inputs=1, infer=lambda ins, a: [(DType(a["dtype"]), ins[0].shape)])
+def cast(x, *, dtype):
+    return x.astype(to_numpy(DType(dtype)))
+
+
+# -- rotary embedding ----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rotary_dim: int, theta: float, scaling: tuple, max_position: int):
+    return rope_parameters(rotary_dim, theta, dict(scaling), max_position)
+
+
+@OPS.register("rope", inputs=2, infer=_like())
+def rope(x, positions, *, theta: float, rotary_dim: int, is_neox: bool = True,
+         scaling: tuple = (), max_position: int = 2048):
+    """x: [T, heads, D], positions: i32[T]. Rotates the first rotary_dim dims.
+    neox layout pairs dim i with i + rotary_dim/2; gpt-j pairs 2i with 2i+1."""
+    inv_freq, attn_factor = _inv_freq(rotary_dim, theta, scaling, max_position)
+    ang = positions.astype(_f32)[:, None] * inv_freq[None, :]  # [T, rd/2]
+    cos = (np.cos(ang) * _f32(attn_factor))[:, None, :]
+    sin = (np.sin(ang) * _f32(attn_factor))[:, None, :]
+    xf = x.astype(_f32, copy=True)
+    rot = xf[..., :rotary_dim]
+    if is_neox:
+        x1, x2 = rot[..., : rotary_dim // 2].copy(), rot[..., rotary_dim // 2:].copy()
+        rot[..., : rotary_dim // 2] = x1 * cos - x2 * sin
+        rot[..., rotary_dim // 2:] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = rot[..., 0::2].copy(), rot[..., 1::2].copy()
+        rot[..., 0::2] = x1 * cos - x2 * sin
+        rot[..., 1::2] = x2 * cos + x1 * sin
+    return _as(xf, x)
+
+
+# -- paged KV cache and attention ----------------------------------------------------
+
+@OPS.register("cache_write", inputs=4, inplace={0: 2}, infer=lambda ins, a: [(ins[2].dtype, ins[2].shape)])
+def cache_write(k, v, cache, slot_mapping):
+    """k, v: [T, Hkv, D]; cache: [NB, 2, BS, Hkv, D]; slot_mapping: i32[T] (block * BS + offset,
+    -1 for padding). Writes in place and returns the cache (the new version of the state)."""
+    bs = cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offs = slots // bs, slots % bs
+    cache[blocks, 0, offs] = k[valid].astype(cache.dtype, copy=False)
+    cache[blocks, 1, offs] = v[valid].astype(cache.dtype, copy=False)
+    return cache
+
+
+@OPS.register("paged_attention", inputs=5, infer=_like())
+def paged_attention(q, cache, block_table, seq_lens, query_start_loc, *, scale: float,
+                    sliding_window: int = 0):
+    """q: [T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32[S, MB]; seq_lens: i32[S]
+    (context length including this step's tokens); query_start_loc: i32[S+1].
+    Sequence s owns query rows qsl[s]:qsl[s+1], the last of its seq_lens[s] positions.
+    Causal; GQA by grouping H // Hkv query heads per KV head."""
+    T, H, D = q.shape
+    bs, hkv = cache.shape[2], cache.shape[3]
+    g = H // hkv
+    out = np.zeros((T, H, D), dtype=_f32)
+    for s in range(len(seq_lens)):
+        q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        n, L = q1 - q0, int(seq_lens[s])
+        if n == 0:
+            continue
+        blocks = block_table[s, : (L + bs - 1) // bs]
+        k = cache[blocks, 0].reshape(-1, hkv, D)[:L].astype(_f32)  # [L, Hkv, D]
+        v = cache[blocks, 1].reshape(-1, hkv, D)[:L].astype(_f32)
+        qs = q[q0:q1].astype(_f32).reshape(n, hkv, g, D)
+        scores = np.einsum("nkgd,lkd->kgnl", qs, k) * _f32(scale)  # [Hkv, g, n, L]
+        qpos = np.arange(L - n, L)[:, None]
+        kpos = np.arange(L)[None, :]
+        mask = kpos > qpos
+        if sliding_window:
+            mask |= kpos <= qpos - sliding_window
+        scores = np.where(mask, -np.inf, scores)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[q0:q1] = np.einsum("kgnl,lkd->nkgd", p, v).reshape(n, H, D)
+    return _as(out, q)
+
+
+# -- fused ops (produced by passes/) -------------------------------------------------
+
+def _infer_add_rms_norm(ins, attrs):
+    return [(ins[0].dtype, ins[0].shape), (ins[0].dtype, ins[0].shape)]
+
+
+@OPS.register("add_rms_norm", inputs=3, infer=_infer_add_rms_norm)
+def add_rms_norm(x, residual, w, *, eps: float, offset: float = 0.0):
+    """-> (rms_norm(x + residual) * w, x + residual): vLLM's fused_add_rms_norm, which
+    returns the new residual stream next to the normalised activation."""
+    s = add(x, residual)
+    return rms_norm(s, w, eps=eps, offset=offset), s
