@@ -1,0 +1,24 @@
+"""Graph builders keyed by the HF `architectures` name. Unknown names are rejected by name."""
+from __future__ import annotations
+
+from typing import Callable
+
+from kiln.errors import UnsupportedArchitectureError
+from kiln.graph import Graph
+from kiln.models import llama, qwen3
+
+GraphBuilder = Callable[..., Graph]
+
+ARCHITECTURES: dict[str, GraphBuilder] = {
+    "LlamaForCausalLM": llama.build_graph,
+    "Qwen3ForCausalLM": qwen3.build_graph,
+}
+
+
+def get_graph_builder(architecture: str) -> GraphBuilder:
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported by kiln "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})") from None

@@ -1,0 +1,47 @@
+"""Tiny random checkpoints built by transformers itself, saved as safetensors.
+
+Weights are drawn with a larger spread than HF's default init (std 0.02 makes
+every logit nearly equal, which would let a wrong kernel pass).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            rms_norm_eps=1e-6)
+
+VARIANTS = {
+    # name: (architecture, extra config)
+    "llama_gqa_untied": ("LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama_tied_linear": ("LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1,
+                                                   rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_llama3_rope": ("LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        attention_bias=True)),
+    "qwen3_qknorm": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3_yarn_tied": ("Qwen3ForCausalLM", dict(
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+}
+
+
+def make_tiny_model(out_dir: Path, variant: str, *, seed: int = 0, dtype=torch.float32):
+    """Save the variant under out_dir; return the transformers model (eval, f32)."""
+    arch, extra = VARIANTS[variant]
+    cfg_cls = transformers.LlamaConfig if arch.startswith("Llama") else transformers.Qwen3Config
+    cfg = cfg_cls(**{**BASE, **extra}, architectures=[arch])
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.4 if "embed" in name else 1.5 / p.shape[-1] ** 0.5))
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    return model.float()
