@@ -1,0 +1,75 @@
+"""The CPU executor: runs a step Graph with the numpy reference of every op.
+
+It holds the weights (cast once to the graph's dtype) and the persistent state
+(the paged KV cache), binds the symbolic dims of each step from the input
+arrays, and frees activations after their last use so a long prefill does not
+keep every layer's temporaries alive.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from kiln.errors import InvalidModelError
+from kiln.graph import Graph, TensorKind, to_numpy
+from kiln.graph.op import run_reference
+
+WeightLoader = Callable[[str], np.ndarray]
+
+
+class CpuExecutor:
+    def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int) -> None:
+        graph.verify()
+        self.graph = graph
+        self.order = graph.topo_order()
+        self.num_blocks = num_blocks
+        self.weights = {t.name: self._load(t, load_weight) for t in graph.weights}
+        self.states = {t.name: np.zeros(t.concrete_shape({"NB": num_blocks}), dtype=to_numpy(t.dtype))
+                       for t in graph.states}
+        self._last_use = self._compute_last_use()
+
+    @staticmethod
+    def _load(t, load_weight: WeightLoader) -> np.ndarray:
+        try:
+            arr = load_weight(t.name)
+        except KeyError:
+            raise InvalidModelError(f"weight {t.name!r} is missing from the model files") from None
+        if tuple(arr.shape) != tuple(t.shape):
+            raise InvalidModelError(f"weight {t.name!r} has shape {list(arr.shape)}, "
+                                    f"the config implies {list(t.shape)}")
+        return np.ascontiguousarray(arr, dtype=to_numpy(t.dtype))
+
+    def _compute_last_use(self) -> dict[str, list[str]]:
+        """node name -> activations that die after it."""
+        last: dict[str, str] = {}
+        for node in self.order:
+            for t in node.inputs:
+                if t and self.graph.tensors[t].kind == TensorKind.ACTIVATION:
+                    last[t] = node.name
+        dies: dict[str, list[str]] = {}
+        for t, n in last.items():
+            if t not in self.graph.outputs:
+                dies.setdefault(n, []).append(t)
+        return dies
+
+    def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        env: dict[str, np.ndarray] = {}
+        for t in self.graph.inputs:
+            arr = inputs[t.name]
+            if arr.ndim != t.rank:
+                raise ValueError(f"step input {t.name} has rank {arr.ndim}, expected {t.rank}")
+            env[t.name] = np.asarray(arr, dtype=to_numpy(t.dtype))
+        env.update(self.weights)
+        env.update(self.states)
+        for node in self.order:
+            opdef = self.graph.registry[node.op]
+            args = [env[t] if t else None for t in node.inputs]
+            while args and args[-1] is None:
+                args.pop()
+            outs = run_reference(opdef, args, node.attrs)
+            for name, arr in zip(node.outputs, outs):
+                env[name] = arr
+            for dead in self._last_use.get(node.name, ()):
+                env.pop(dead, None)
+        return {name: env[name] for name in self.graph.outputs}
