@@ -1,0 +1,37 @@
+"""The passes, in order: the one place to read what happens to a graph.
+
+Each pass is followed by the verifier. `dump_dir` writes the graph after every
+pass (`build.py compile --dump-ir DIR`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.graph import Graph
+from kiln.passes.base import Pass
+from kiln.passes.eliminate_dead_code import EliminateDeadCode
+from kiln.passes.fuse_add_rmsnorm import FuseAddRmsNorm
+from kiln.passes.fuse_silu_mul import FuseSiluMul
+
+
+def default_passes() -> list[Pass]:
+    return [
+        EliminateDeadCode(),
+        FuseAddRmsNorm(),
+        FuseSiluMul(),
+        EliminateDeadCode(),
+    ]
+
+
+def run_pipeline(graph: Graph, passes: list[Pass] | None = None, dump_dir: str | Path | None = None) -> Graph:
+    passes = default_passes() if passes is None else passes
+    if dump_dir is not None:
+        dump_dir = Path(dump_dir)
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        (dump_dir / "00_input.txt").write_text(graph.dump() + "\n")
+    for i, p in enumerate(passes, start=1):
+        p.run(graph)
+        graph.verify()
+        if dump_dir is not None:
+            (dump_dir / f"{i:02d}_{p.name}.txt").write_text(graph.dump() + "\n")
+    return graph

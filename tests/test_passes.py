@@ -1,0 +1,32 @@
+"""Passes change the graph's structure, never its numbers."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from kiln.models.config import ModelConfig
+from kiln.models.registry import get_graph_builder
+from kiln.passes.pipeline import run_pipeline
+from kiln.runtime.cpu_executor import CpuExecutor
+from kiln.runtime.input_batch import SeqChunk, prepare_step
+from tests.tiny_models import BASE
+
+
+def test_pipeline_fuses_and_preserves_logits(tmp_path):
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 3})
+    build = get_graph_builder(cfg.architecture)
+    rng = np.random.default_rng(0)
+    ref_graph = build(cfg)
+    weights = {t.name: rng.standard_normal(t.shape).astype(np.float32) * 0.2 for t in ref_graph.weights}
+    fused = run_pipeline(build(cfg), dump_dir=tmp_path)
+    ops = Counter(n.op for n in fused.nodes.values())
+    assert ops["add_rms_norm"] == 2 * 3 - 1  # every norm after a residual add; not the first
+    assert ops["silu_mul"] == 3 and ops["silu"] == 0 and ops["mul"] == 0
+    assert ops["add"] == 1  # the last layer's residual feeds the logits gather, not a norm
+    assert (tmp_path / "02_fuse_add_rmsnorm.txt").read_text().count("add_rms_norm(") == 5
+    chunks = [SeqChunk(rng.integers(0, 256, n).tolist(), 0, [2 * i, 2 * i + 1]) for i, n in enumerate((3, 20, 9))]
+    inputs = prepare_step(chunks, 16)
+    a = CpuExecutor(ref_graph, weights.__getitem__, 8).execute(inputs)
+    b = CpuExecutor(fused, weights.__getitem__, 8).execute(inputs)
+    np.testing.assert_array_equal(a["lm_head"], b["lm_head"])
