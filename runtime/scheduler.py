@@ -1,0 +1,336 @@
+"""vLLM V1's unified scheduler: one token budget per step, shared by all requests.
+
+Ported in behaviour from vLLM V1 `vllm/v1/core/sched/scheduler.py`
+(`Scheduler.schedule`, `_preempt_request`, `_make_cached_request_data`,
+`_update_after_schedule`, `update_from_output`, `finish_requests`).
+
+There is no prefill phase and no decode phase: each request has
+`num_computed_tokens` catching up with `num_tokens`, and a step hands out tokens
+to RUNNING requests first (in order), then admits WAITING ones, while the budget
+(`max_num_batched_tokens`) and `max_num_seqs` last. A long prompt is computed
+in chunks over several steps, mixed with other requests' decodes. When a
+running request cannot get a KV block, another running request is preempted
+(its blocks freed, recomputed later; FCFS takes the last running one, PRIORITY
+the lowest priority) and no waiting request is admitted in that step.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kiln.runtime.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kiln.runtime.kv_cache_spec import KVCacheConfig
+from kiln.runtime.kv_cache_utils import get_request_block_hasher
+from kiln.runtime.request import Request, RequestStatus
+from kiln.runtime.request_queue import SchedulingPolicy, create_request_queue
+from kiln.runtime.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kiln.runtime.scheduler_config import CacheConfig, SchedulerConfig
+from kiln.runtime.scheduler_stats import SchedulerStats
+from kiln.runtime.stop_check import append_and_check_stop
+
+
+@dataclass
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+
+    def schedule(self, request: Request, num_tokens: int, blocks: KVCacheBlocks) -> None:
+        self.new_blocks[request.request_id] = blocks
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    def unschedule_running(self, request: Request) -> None:
+        self.running_reqs.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.new_blocks.pop(request.request_id)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
+                 cache_config: CacheConfig | None = None) -> None:
+        self.scheduler_config = scheduler_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = kv_cache_config.block_size
+        self.cache_config = cache_config or CacheConfig(block_size=self.block_size)
+        if self.cache_config.block_size != self.block_size:
+            raise ValueError(f"cache_config.block_size ({self.cache_config.block_size}) differs from the "
+                             f"KV cache's block size ({self.block_size})")
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        enable_caching = self.cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(kv_cache_config, scheduler_config.max_model_len, enable_caching)
+        # A request longer than the whole KV cache could never be scheduled and
+        # would preempt everything forever: cap every request at what one
+        # request alone can hold (vLLM refuses to start instead).
+        self.max_model_len = min(scheduler_config.max_model_len,
+                                 self.kv_cache_manager.max_num_tokens_per_request)
+        self.block_hasher = get_request_block_hasher(self.block_size) if enable_caching else None
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the previous schedule(); sent with the next output so
+        # the runner frees their state.
+        self.finished_req_ids: set[str] = set()
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self._num_preemptions = 0  # since the previous make_stats()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for one that can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt has {request.num_prompt_tokens} tokens, more than "
+                f"the {self.max_model_len} a request may hold (max_model_len "
+                f"{self.scheduler_config.max_model_len}, KV cache "
+                f"{self.kv_cache_manager.max_num_tokens_per_request} tokens)")
+        if request.block_hasher is None and self.block_hasher is not None:
+            request.set_block_hasher(self.block_hasher)
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None,
+                        finished_status: RequestStatus) -> list[str]:
+        """Finish requests from outside (abort, stop string found), waiting or
+        running; frees their blocks. None means every request. -> the ids
+        finished now (unknown or already finished ids are ignored)."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        ids = list(self.requests) if request_ids is None else list(dict.fromkeys(request_ids))
+        reqs = [r for rid in ids if (r := self.requests.get(rid)) is not None and not r.is_finished()]
+        running = {id(r) for r in reqs if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        waiting = [r for r in reqs if id(r) not in running]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for r in reqs:
+            r.status = finished_status
+            self._free_request(r)
+        return [r.request_id for r in reqs]
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finished requests the runner has not been told about yet."""
+        return len(self.finished_req_ids) > 0
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """-> (running, waiting)."""
+        return len(self.running), len(self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(token_budget=self.max_num_scheduled_tokens)
+        self._schedule_running(step)
+        if not step.preempted_reqs:
+            self._schedule_waiting(step)
+        total = sum(step.num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens and step.token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+        return self._make_output(step, total)
+
+    def _schedule_running(self, step: _Step) -> None:
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        req_index = 0
+        while req_index < len(self.running) and step.token_budget > 0:
+            request = self.running[req_index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            # vLLM clamps to max_model_len - 1 - computed (for spec tokens),
+            # which would strand a prompt of exactly max_model_len tokens.
+            num_new = min(num_new, step.token_budget, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim, req_index = self._preempt_one(step, req_index)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                # The request preempted itself (it was the last running one, or
+                # the lowest priority). vLLM stops the loop here; going on lets
+                # higher-priority requests after it run in this step (the same
+                # thing under FCFS, where it was the last), so a step with
+                # running requests always schedules some tokens.
+                continue
+            step.running_reqs.append(request)
+            step.schedule(request, num_new, new_blocks)
+            req_index += 1
+
+    def _preempt_one(self, step: _Step, req_index: int) -> tuple[Request, int]:
+        """Preempt one running request to free blocks; -> (victim, adjusted req_index)."""
+        num_valid_tokens = None
+        if self.policy == SchedulingPolicy.PRIORITY:
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            victim_index = self.running.index(victim)
+            del self.running[victim_index]
+            if victim_index < req_index:
+                req_index -= 1
+            if victim.request_id in step.num_scheduled_tokens:
+                # Scheduled earlier in this step: hand back its budget, and
+                # un-publish the blocks it would have written (vLLM leaves them
+                # in the prefix cache, with contents never computed).
+                step.unschedule_running(victim)
+                num_valid_tokens = victim.num_computed_tokens
+        else:
+            victim = self.running.pop()
+        self._preempt_request(victim, num_valid_tokens)
+        step.preempted_reqs.append(victim)
+        return victim, req_index
+
+    def _preempt_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Free a running request's blocks and put it back at the head of the
+        waiting queue; it will recompute its tokens (prefix hits permitting)."""
+        assert request.status == RequestStatus.RUNNING, "only running requests can be preempted"
+        self.kv_cache_manager.free(request, num_valid_tokens)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        kv = self.kv_cache_manager
+        while self.waiting and step.token_budget > 0:
+            if len(self.running) == self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+            hit_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed  # num_tokens: resumed ones have outputs
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if not self.scheduler_config.enable_chunked_prefill and num_new > step.token_budget:
+                break
+            num_new = min(num_new, step.token_budget)
+            assert num_new > 0
+            new_blocks = kv.allocate_slots(request, num_new, num_computed, hit_blocks)
+            if new_blocks is None:
+                break  # head-of-line: later requests wait too (FCFS order is kept)
+            self.waiting.pop_request()
+            self.running.append(request)
+            kv.record_prefix_cache_stats(request, num_computed)
+            if request.status == RequestStatus.WAITING:
+                step.new_reqs.append(request)
+            elif request.status == RequestStatus.PREEMPTED:
+                step.resumed_reqs.append(request)
+            else:
+                raise RuntimeError(f"invalid status of a waiting request: {request.status.name}")
+            # The runner gets the whole block list of an admitted request.
+            step.schedule(request, num_new, kv.get_blocks(request.request_id))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+
+    def _make_output(self, step: _Step, total: int) -> SchedulerOutput:
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        num_common_prefix_blocks = (self.kv_cache_manager.get_num_common_prefix_blocks(self.running[0].request_id)
+                                    if self.running else [0] * num_groups)
+        new_reqs = [NewRequestData.from_request(r, step.new_blocks[r.request_id].get_block_ids())
+                    for r in step.new_reqs]
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData.from_requests(
+                step.running_reqs, step.resumed_reqs, step.num_scheduled_tokens, step.new_blocks,
+                self.prev_step_scheduled_req_ids),
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in step.preempted_reqs},
+        )
+        self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
+        # Advance after building the output (it carries the pre-step counts),
+        # so a prefill can be scheduled again in the very next step.
+        for rid, n in step.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        self.finished_req_ids = set()  # a new set: the output keeps the old one
+        return out
+
+    # ------------------------------------------------------------------ outputs
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[str, EngineCoreOutput]:
+        """Append sampled tokens, check stops, free finished requests.
+        -> per request with news (tokens or a finish), in scheduling order."""
+        outputs: dict[str, EngineCoreOutput] = {}
+        stopped: set[int] = set()
+        index_of = model_runner_output.req_id_to_index
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # finished (aborted) while the step ran
+            idx = index_of.get(rid)
+            if idx is None or request.num_computed_tokens < request.num_tokens:
+                continue  # a partial prefill chunk samples nothing (any token given is discarded)
+            new_token_ids = list(model_runner_output.sampled_token_ids[idx])
+            if not new_token_ids:
+                continue
+            is_stopped = append_and_check_stop(request, new_token_ids, self.max_model_len)
+            finish_reason = request.get_finished_reason() if is_stopped else None
+            if is_stopped:
+                self._free_request(request)
+                stopped.add(id(request))
+            logprobs = model_runner_output.logprobs[idx] if model_runner_output.logprobs else None
+            if isinstance(logprobs, list):
+                logprobs = logprobs[:len(new_token_ids)]
+            outputs[rid] = EngineCoreOutput(
+                request_id=rid, new_token_ids=new_token_ids, finish_reason=finish_reason,
+                new_logprobs=logprobs, stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0))
+        if stopped:
+            self.running = [r for r in self.running if id(r) not in stopped]
+        return outputs
+
+    # ------------------------------------------------------------------ stats
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, counters since the previous call."""
+        num_preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preemptions=num_preemptions)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes (after a weight update, say); False while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
