@@ -1,0 +1,152 @@
+"""Numpy logits operations of the sampler, each over a whole batch.
+
+Ported from vLLM: `vllm/v1/sample/ops/bad_words.py`, `ops/penalties.py` with
+`model_executor/layers/utils.py::apply_penalties` (and the torch fallback of
+`_custom_ops.apply_repetition_penalties`), `logits_processor/builtin.py::
+MinPLogitsProcessor`, `ops/topk_topp_sampler.py` (`apply_top_k_top_p_pytorch`,
+`apply_top_k_only`, `random_sample`). Functions named apply_* modify float32
+`logits: [B, V]` in place and also return it.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+NEG_INF = np.float32(-np.inf)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 softmax over the last axis; -inf logits get probability 0."""
+    x = logits - logits.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log_softmax over the last axis (vLLM `Sampler.compute_logprobs`)."""
+    x = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True).astype(np.float32)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+def apply_bad_words(logits: np.ndarray, bad_words_token_ids: Mapping[int, Sequence[Sequence[int]]],
+                    output_token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """Forbid the last token of each bad word whose other tokens end the output so far."""
+    for row, words in bad_words_token_ids.items():
+        past = output_token_ids[row]
+        for word in words:
+            prefix_len = len(word) - 1
+            if prefix_len > len(past):
+                continue
+            if prefix_len == 0 or list(past[len(past) - prefix_len:]) == list(word[:prefix_len]):
+                logits[row, word[-1]] = NEG_INF
+    return logits
+
+
+def _seen(token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """token_ids: i64[B, L] padded with vocab_size -> flat indices row * V + token, one per token."""
+    rows, cols = np.nonzero(token_ids < vocab_size)
+    return rows * vocab_size + token_ids[rows, cols]
+
+
+def apply_penalties(logits: np.ndarray, prompt_token_ids: np.ndarray, output_token_ids: np.ndarray,
+                    presence_penalties: np.ndarray, frequency_penalties: np.ndarray,
+                    repetition_penalties: np.ndarray) -> np.ndarray:
+    """vLLM's penalties, in its order.
+
+    repetition: a token seen in the prompt or the output has its logit divided
+    by the penalty when positive, multiplied by it otherwise. frequency and
+    presence (OpenAI's definition) look at the output only:
+    logit -= frequency * count + presence * (count > 0).
+    prompt_token_ids / output_token_ids: i64[B, L] padded with vocab_size.
+    Only the (row, token) pairs that occur are touched: a few hundred per row
+    instead of vLLM's dense [B, V] bin counts.
+    """
+    B, V = logits.shape
+    out_idx, out_counts = np.unique(_seen(output_token_ids, V), return_counts=True)
+    seen = np.union1d(_seen(prompt_token_ids, V), out_idx)
+    rows, cols = np.divmod(seen, V)
+    x = logits[rows, cols]
+    rep = repetition_penalties.astype(np.float32)[rows]
+    logits[rows, cols] = np.where(x > 0, x / rep, x * rep)
+    rows, cols = np.divmod(out_idx, V)
+    logits[rows, cols] -= (frequency_penalties.astype(np.float32)[rows] * out_counts.astype(np.float32)
+                           + presence_penalties.astype(np.float32)[rows])
+    return logits
+
+
+def apply_min_p(logits: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Forbid tokens whose probability is below min_p times the top token's."""
+    probs = softmax(logits)
+    threshold = probs.max(axis=-1, keepdims=True) * min_p.astype(np.float32)[:, None]
+    logits[probs < threshold] = NEG_INF
+    return logits
+
+
+def apply_top_k_only(logits: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Keep tokens at least as likely as the k-th most likely (ties at the k-th are kept).
+
+    Partitions instead of sorting the vocabulary (vLLM `apply_top_k_only`).
+    """
+    B, V = logits.shape
+    active = k < V
+    if not active.any():
+        return logits
+    rows = np.flatnonzero(active)
+    kmax = int(k[rows].max())
+    top = -np.partition(-logits[rows], kmax - 1, axis=1)[:, :kmax]
+    top.sort(axis=1)
+    kth = top[np.arange(len(rows)), kmax - k[rows]]  # ascending: the k-th largest sits at kmax - k
+    sub = logits[rows]
+    sub[sub < kth[:, None]] = NEG_INF
+    logits[rows] = sub
+    return logits
+
+
+def apply_top_k_top_p(logits: np.ndarray, k: Optional[np.ndarray], p: Optional[np.ndarray]) -> np.ndarray:
+    """Top-k then top-p (vLLM `apply_top_k_top_p_pytorch`).
+
+    Top-p keeps the smallest set of most likely tokens whose probability (after
+    top-k, renormalised) reaches p: over tokens sorted ascending, a token goes
+    when the cumulative probability up to and including it is <= 1 - p. The
+    most likely token always stays. vLLM masks by sorted position; this masks by
+    value (below the least likely kept logit), which sorts values only (several
+    times faster in numpy) and keeps every token tied with the last kept one,
+    as top-k does.
+    """
+    if p is None:
+        return logits if k is None else apply_top_k_only(logits, k)
+    B, V = logits.shape
+    srt = np.sort(logits, axis=1)  # ascending
+    if k is not None:
+        kth = srt[np.arange(B), V - np.minimum(k, V)]
+        srt[srt < kth[:, None]] = NEG_INF
+    cum = np.cumsum(softmax(srt), axis=1)
+    # cum only grows, so the dropped tokens are a prefix of the sorted row; the
+    # last one is never dropped.
+    n_drop = np.minimum((cum <= (1.0 - p.astype(np.float32))[:, None]).sum(axis=1), V - 1)
+    threshold = srt[np.arange(B), n_drop]
+    logits[logits < threshold[:, None]] = NEG_INF
+    return logits
+
+
+def random_sample(probs: np.ndarray, generators: Mapping[int, np.random.Generator],
+                  rng: np.random.Generator) -> np.ndarray:
+    """Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., draws token i with prob probs[i].
+
+    A row listed in `generators` draws its noise from its own generator, V
+    values per step, so a seeded request's tokens depend only on its seed and
+    its own logits, not on the batch around it (vLLM `random_sample`).
+    """
+    B, V = probs.shape
+    q = np.empty((B, V), dtype=np.float32)
+    shared = [i for i in range(B) if i not in generators]
+    if shared:
+        q[shared] = rng.standard_exponential((len(shared), V), dtype=np.float32)
+    for i, gen in generators.items():
+        q[i] = gen.standard_exponential(V, dtype=np.float32)
+    # Exp(1) can round to 0 in float32; 0/0 would be NaN, which argmax picks.
+    np.maximum(q, np.finfo(np.float32).tiny, out=q)
+    return (probs / q).argmax(axis=1)
