@@ -19,6 +19,7 @@ class SeqChunk:
     start_pos: int  # tokens of this sequence already in the KV cache
     block_ids: Sequence[int]  # the sequence's block table (covers start_pos + len(token_ids))
     sample: bool = True  # whether the last token's logits are wanted
+    all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), in order
 
 
 def prepare_step(chunks: Sequence[SeqChunk], block_size: int) -> dict[str, np.ndarray]:
@@ -42,8 +43,13 @@ def prepare_step(chunks: Sequence[SeqChunk], block_size: int) -> dict[str, np.nd
         slots[a:b] = blocks[pos // block_size] * block_size + pos % block_size
         block_table[s, : len(blocks)] = blocks
     seq_lens = np.array([c.start_pos + len(c.token_ids) for c in chunks], dtype=np.int32)
-    logits_indices = np.array([qsl[s + 1] - 1 for s, c in enumerate(chunks) if c.sample and len(c.token_ids)],
-                              dtype=np.int32)
+    rows: list[int] = []
+    for s, c in enumerate(chunks):
+        if c.all_logits:
+            rows.extend(range(qsl[s], qsl[s + 1]))
+        elif c.sample and len(c.token_ids):
+            rows.append(qsl[s + 1] - 1)
+    logits_indices = np.array(rows, dtype=np.int32)
     return {
         "input_ids": input_ids, "positions": positions, "slot_mapping": slots,
         "block_table": block_table, "seq_lens": seq_lens, "query_start_loc": qsl,

@@ -88,7 +88,9 @@ class KVCacheManager:
         Looks only; takes no reference. The hit never covers the whole request:
         the last token is always recomputed to get its logits, so the hit is
         capped at num_tokens - 1 (rounded down to whole blocks)."""
-        if not self.enable_caching:
+        if not self.enable_caching or getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            # prompt logprobs need the logits of every prompt position, so such a
+            # request computes its whole prompt (vLLM: skip_reading_prefix_cache)
             return self.empty_kv_cache_blocks, 0
         max_cache_hit_length = request.num_tokens - 1
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes,

@@ -8,7 +8,7 @@ Ported in behaviour from vLLM V1 `vllm/v1/core/sched/output.py`
 The scheduler output is a diff against what the model runner already holds:
 full data for requests it sees for the first time, deltas for the rest. A
 runner keeps, per request id, the token ids and the block table, and applies:
-  1. drop `finished_req_ids` and `preempted_req_ids`;
+  1. drop `finished_req_ids` (keep preempted requests: they return as resumed);
   2. add `scheduled_new_reqs`;
   3. for `scheduled_cached_reqs`: a request in `resumed_req_ids` (back from
      preemption) gets its block table *replaced* by `new_block_ids`; any other
@@ -105,7 +105,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     num_common_prefix_blocks: list[int]  # per group: blocks shared by every running request
     finished_req_ids: set[str]  # finished since the previous step: runner frees their state
-    preempted_req_ids: set[str]  # preempted in this step: runner drops their state
+    preempted_req_ids: set[str]  # preempted in this step: they come back later as resumed
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # unused yet
 
     @property
@@ -123,6 +123,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[Any] | None = None
     req_id_to_index: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)  # req_id -> LogprobsTensors or None
 
     def __post_init__(self) -> None:
         if len(self.sampled_token_ids) != len(self.req_ids):
@@ -140,6 +141,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     new_logprobs: Any = None
+    new_prompt_logprobs: Any = None  # LogprobsTensors for the prompt positions scored this step
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
 
