@@ -17,7 +17,7 @@ from kiln.runtime.output_processor import OutputProcessor, ParentRequest
 from kiln.runtime.outputs import OutputKind, RequestOutput
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.stats import IterationStats, StatLogger, finished_stats
+from kiln.runtime.stats import EngineTotals, IterationStats, StatLogger, finished_stats
 
 
 class PromptTooLongError(ValueError):
@@ -33,7 +33,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
-        self.stat_loggers: list[StatLogger] = []
+        self.totals = EngineTotals()
+        self.stat_loggers: list[StatLogger] = [self.totals]
         self._ids = itertools.count()
         self._max_tokens: dict[str, Optional[int]] = {}
 
@@ -104,8 +105,7 @@ class LLMEngine:
         outputs, to_abort = self.output_processor.process_outputs(core_outputs, now)
         if to_abort:  # stop strings finished these: free their blocks now
             self.core.abort_requests(to_abort)
-        if self.stat_loggers:
-            self._log_stats(core_outputs, outputs)
+        self._log_stats(core_outputs, outputs)
         for ro in outputs:
             if ro.finished:
                 self._max_tokens.pop(ro.request_id, None)
@@ -135,4 +135,9 @@ class LLMEngine:
         return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
                 "kv_cache_usage": s.kv_cache_manager.usage,
                 "num_free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
-                "num_total_blocks": s.kv_cache_config.num_blocks}
+                "num_total_blocks": s.kv_cache_config.num_blocks,
+                "prefix_cache_hit_rate": self.totals.prefix_cache_hit_rate,
+                "num_preemptions": self.totals.num_preemptions,
+                "prompt_tokens": self.totals.prompt_tokens,
+                "generation_tokens": self.totals.generation_tokens,
+                "finished_requests": self.totals.finished_requests}

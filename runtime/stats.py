@@ -47,3 +47,26 @@ def finished_stats(ro: RequestOutput, max_tokens: Optional[int]) -> list[Finishe
             num_prompt_tokens=len(ro.prompt_token_ids), num_generation_tokens=m.num_generation_tokens,
             ttft=m.ttft, tpot=m.tpot, max_tokens=max_tokens, n=len(ro.outputs)))
     return out
+
+
+@dataclass
+class EngineTotals:
+    """Counters since the engine started: the numbers an operator reads from LLM.stats()."""
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+
+    def record(self, scheduler_stats: SchedulerStats, it: IterationStats) -> None:
+        self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+        self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+        self.num_preemptions += scheduler_stats.num_preemptions
+        self.prompt_tokens += it.num_prompt_tokens
+        self.generation_tokens += it.num_generation_tokens
+        self.finished_requests += len(it.finished_requests)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

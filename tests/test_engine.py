@@ -64,7 +64,9 @@ def test_preemption_and_recompute_equals_alone(tiny_dir, prompts, alone):
     core.scheduler.schedule = counting_schedule
     assert tokens(llm.generate(prompts, GREEDY)) == alone
     assert preempted, "the KV cache was meant to run out"
-    assert llm.stats()["num_free_blocks"] == 13
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == 13 and stats["num_preemptions"] == len(preempted)
+    assert stats["finished_requests"] == 32 and stats["generation_tokens"] == 32 * GREEDY.max_tokens
 
 
 def test_prefix_cache_hit_equals_alone_and_skips_work(tiny_dir, prompts, alone):
@@ -85,12 +87,13 @@ def test_prefix_cache_hit_equals_alone_and_skips_work(tiny_dir, prompts, alone):
     sched.schedule = recording
     a = llm.generate(first, GREEDY)[0]
     scheduled.clear()
-    sched.kv_cache_manager.make_prefix_cache_stats()  # stats are deltas: start counting here
+    totals = llm.engine.totals
+    q0, h0 = totals.prefix_cache_queries, totals.prefix_cache_hits
     b = llm.generate(second, GREEDY)[0]
-    stats = sched.kv_cache_manager.make_prefix_cache_stats()
     assert b.num_cached_tokens == 64 and a.num_cached_tokens == 0
     assert list(scheduled[0].values()) == [len(second) - 64]  # only the uncached tokens
-    assert stats.hits == 64 and stats.queries == len(second)
+    assert totals.prefix_cache_hits - h0 == 64 and totals.prefix_cache_queries - q0 == len(second)
+    assert llm.stats()["prefix_cache_hit_rate"] == pytest.approx(64 / (len(first) + len(second)))
     fresh = engine(tiny_dir, enable_prefix_caching=False).generate(second, GREEDY)[0]
     assert b.outputs[0].token_ids == fresh.outputs[0].token_ids
 
