@@ -1,7 +1,8 @@
 """The passes, in order: the one place to read what happens to a graph.
 
 Each pass is followed by the verifier. `dump_dir` writes the graph after every
-pass (`build.py compile --dump-ir DIR`).
+pass (`build.py compile --dump-ir DIR`). Memory planning (plan_memory.py) runs
+after these, per target, once the largest bucket is known.
 """
 from __future__ import annotations
 
