@@ -1,0 +1,179 @@
+"""Compile a KernelSpec to a cubin for sm_90 or sm_121(a) on a machine with no GPU.
+
+    compiled = compile_spec(spec, "sm_90")   # -> Compiled(cubin, name, shared, num_warps, n_hidden, ...)
+    compiled = compile_specs([(spec_a, "sm_90"), (spec_b, "sm_121")])  # misses compiled together
+
+Results are cached on disk under a key that hashes the kernel's source file, the
+kernel name, signature, constexprs, divisibility hints, warps/stages, target arch and
+the Triton version, so an unchanged kernel comes back in milliseconds. (Hashing
+the whole file is conservative: any edit recompiles every kernel of that file; the
+@triton.jit helpers a kernel calls live in its file, so nothing outside it matters
+but Triton itself.)
+
+Triton decides interpret-or-compile when it is imported. In a process that imported
+it with TRITON_INTERPRET=1 (the interpreter tests), a cache miss compiles in a
+child process: `python -m kiln.codegen.triton.aot` reads the spec as JSON on stdin.
+
+Launching a cubin: cuModuleLoadData(cubin), cuModuleGetFunction(name), set
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES when shared > 48 KiB, then
+cuLaunchKernel(grid, block=(32 * num_warps, 1, 1), sharedMemBytes=shared) with the
+spec's non-constexpr args in order followed by `n_hidden` null pointers (Triton
+3.6: global and profile scratch; global_scratch_size must be 0, as it is for every
+kernel here).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+from kiln.codegen.triton.launch import KernelSpec, interpreting, kernel_fn
+
+ARCHS = {"sm_90": 90, "sm_90a": 90, "sm_121": 121, "sm_121a": 121}
+
+
+class Compiled(NamedTuple):
+    cubin: bytes
+    name: str
+    shared: int
+    num_warps: int
+    n_hidden: int  # hidden scratch pointer args after the kernel's own
+    global_scratch_size: int
+    target: str  # the PTX .target: "sm_90a", "sm_121a"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
+    return Path(root) / "cubins"
+
+
+def cache_key(spec: KernelSpec, arch: str) -> str:
+    import triton
+
+    src = Path(importlib.util.find_spec(spec.module).origin).read_bytes()
+    blob = json.dumps({
+        "src": hashlib.sha256(src).hexdigest(), "kernel": spec.kernel, "sig": dict(spec.signature),
+        "constexprs": {k: repr(v) for k, v in spec.constexprs.items()}, "div": sorted(spec.divisible),
+        "warps": spec.num_warps, "stages": spec.num_stages, "arch": ARCHS[arch],
+        "triton": triton.__version__,
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def compile_spec(spec: KernelSpec, arch: str = "sm_90", cache_dir: str | Path | None = None) -> Compiled:
+    return compile_specs([(spec, arch)], cache_dir)[0]
+
+
+def compile_specs(jobs: list[tuple[KernelSpec, str]], cache_dir: str | Path | None = None) -> list[Compiled]:
+    """Compile (spec, arch) pairs; cache hits are read back, misses compiled in this
+    process or, under the interpreter, together in one child process."""
+    for _, arch in jobs:
+        if arch not in ARCHS:
+            raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHS)})")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    keys = [cache_key(spec, arch) for spec, arch in jobs]
+    out = [_read_cache(cache, k) for k in keys]
+    miss = [i for i, c in enumerate(out) if c is None]
+    if miss:
+        todo = [jobs[i] for i in miss]
+        done = [_compile_here(s, a) for s, a in todo] if not interpreting() else _compile_in_child(todo)
+        for i, c in zip(miss, done, strict=True):
+            _write_cache(cache, keys[i], c)
+            out[i] = c
+    return out
+
+
+def _compile_here(spec: KernelSpec, arch: str) -> Compiled:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel_fn(spec)
+    names = list(fn.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible}
+    src = ASTSource(fn, spec.full_signature(), dict(spec.constexprs), attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
+                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    md = k.metadata
+    n_params = _count_ptx_params(k.asm["ptx"], md.name)
+    n_hidden = n_params - len(spec.signature)
+    n_scratch_fields = sum(1 for f in md._fields if f.endswith("_scratch_size"))
+    if n_hidden != n_scratch_fields:
+        raise RuntimeError(f"{spec.kernel}: PTX has {n_params} params for {len(spec.signature)} args; "
+                           f"expected {n_scratch_fields} hidden scratch pointers")
+    target = re.search(r"^\.target\s+(\S+)", k.asm["ptx"], re.MULTILINE).group(1).rstrip(",")
+    return Compiled(bytes(k.asm["cubin"]), md.name, int(md.shared), int(md.num_warps), n_hidden,
+                    int(md.global_scratch_size or 0), target)
+
+
+def _count_ptx_params(ptx: str, name: str) -> int:
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.DOTALL)
+    if m is None:
+        raise RuntimeError(f"no .entry {name} in the PTX")
+    return len(re.findall(r"\.param\s", m.group(1)))
+
+
+def _compile_in_child(jobs: list[tuple[KernelSpec, str]]) -> list[Compiled]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    msg = json.dumps([{"spec": _spec_to_json(s), "arch": a} for s, a in jobs])
+    proc = subprocess.run([sys.executable, "-m", "kiln.codegen.triton.aot"], input=msg, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        names = ", ".join(f"{s.kernel}@{a}" for s, a in jobs)
+        raise RuntimeError(f"compiling {names} failed:\n{proc.stderr[-4000:]}")
+    return [_from_json(d) for d in json.loads(proc.stdout)]
+
+
+def _spec_to_json(spec: KernelSpec) -> dict:
+    d = dataclasses.asdict(spec)
+    d["signature"], d["constexprs"] = dict(spec.signature), dict(spec.constexprs)
+    return d
+
+
+def _to_json(c: Compiled) -> dict:
+    d = c._asdict()
+    d["cubin"] = base64.b64encode(c.cubin).decode()
+    return d
+
+
+def _from_json(d: dict) -> Compiled:
+    return Compiled(**dict(d, cubin=base64.b64decode(d["cubin"])))
+
+
+def _read_cache(cache: Path, key: str) -> Compiled | None:
+    meta, cubin = cache / f"{key}.json", cache / f"{key}.cubin"
+    if not (meta.exists() and cubin.exists()):
+        return None
+    d = json.loads(meta.read_text())
+    return Compiled(**dict(d, cubin=cubin.read_bytes()))
+
+
+def _write_cache(cache: Path, key: str, c: Compiled) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    for suffix, data in ((".cubin", c.cubin), (".json", json.dumps(_to_json(c) | {"cubin": None}).encode())):
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=key, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, cache / f"{key}{suffix}")  # atomic: readers see all or nothing
+
+
+def _main() -> None:
+    out = []
+    for req in json.loads(sys.stdin.read()):
+        s = req["spec"]
+        spec = KernelSpec(**dict(s, grid=tuple(s["grid"]), divisible=tuple(s["divisible"])))
+        out.append(_to_json(_compile_here(spec, req["arch"])))
+    sys.stdout.write(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _main()

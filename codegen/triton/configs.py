@@ -1,0 +1,113 @@
+"""Default launch configs per kernel, and the hook tuned schedules plug into.
+
+Two kinds of knobs, kept apart on purpose (DESIGN "Invariance by construction"):
+- reduction knobs change the order of floating-point sums: GEMM BLOCK_K and
+  SPLIT_K, attention TILE/SEG/BLOCK_Q/num_warps, a norm's BLOCK/num_warps. They are
+  chosen from the weight or model shape only, never from the bucket, so a token's
+  numbers do not depend on its batch.
+- schedule knobs (GEMM BLOCK_M/BLOCK_N/num_stages, elementwise block sizes, split-KV
+  on/off) may vary per bucket and may be tuned freely.
+
+`Configs(lookup=...)` takes a callable `(op, key) -> dict | None` (schedules/ YAML
+reader, later); a miss falls back to the defaults below and says so once.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Lookup = Callable[[str, tuple], Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class GemmReduction:
+    """Per weight [N, K], for every bucket: the K order of every output element."""
+    block_k: int = 64
+    split_k: int = 1  # >1: partial sums over fixed K ranges, summed in order 0..S-1
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Per bucket: how output tiles are cut; leaves each element's K order alone."""
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Per model (H, Hkv, D): all reduction knobs of paged attention."""
+    # H200, Llama-8B heads, 64 x 4096-token decode: split 3.95 TB/s of KV (tile 32 /
+    # seg 256: 3.5; block_q 16: 1.5); a 4096-token prefill: ~97 TFLOP/s.
+    block_q: int = 4      # query positions per program (rows = block_q * next_pow2(H // Hkv))
+    tile: int = 64        # keys per online-softmax step; tiles start at multiples of `tile`
+    seg: int = 512        # keys per split-KV segment (a multiple of tile); segments fold in order
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Row-wise kernels (norms, preamble): one program per row; fixed per row width."""
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    block: int = 1024
+    num_warps: int = 4
+
+
+class Configs:
+    def __init__(self, lookup: Lookup | None = None):
+        self._lookup = lookup
+        self._said: set = set()
+
+    def _get(self, op: str, key: tuple, default):
+        found = self._lookup(op, key) if self._lookup else None
+        if found is None:
+            if self._lookup is not None and (op, key) not in self._said:
+                self._said.add((op, key))
+                log.info("no tuned schedule for %s %s; using the default %s", op, key, default)
+            return default
+        names = {f.name for f in fields(default)}
+        unknown = set(found) - names
+        if unknown:
+            raise ValueError(f"schedule for {op} {key} has unknown fields {sorted(unknown)}")
+        return replace(default, **found)
+
+    def gemm_reduction(self, n: int, k: int) -> GemmReduction:
+        # Split-K 2 where N alone gives a decode step too few programs on 132 SMs (H200,
+        # M=1: q/k/v 6144x4096 2.4 -> 3.3 TB/s, down 4096x14336 1.9 -> 2.9 TB/s); a wide
+        # N (gate_up 28672) reaches ~4 TB/s without and loses with it.
+        split = 2 if n <= 8192 and k >= 4096 else 1
+        default = GemmReduction(block_k=64 if k % 64 == 0 else 32, split_k=split)
+        return self._get("gemm_reduction", (n, k), default)
+
+    def gemm_tile(self, m: int, n: int, k: int, arch: str = "sm_90") -> GemmTile:
+        if m <= 16:  # decode: memory-bound, many narrow programs streaming W
+            default = GemmTile(block_m=16, block_n=32, num_warps=4, num_stages=4)
+        elif m <= 64:
+            default = GemmTile(block_m=64, block_n=64, num_warps=4, num_stages=4)
+        elif m <= 1024 or arch != "sm_90":  # sm_121 has ~99 KiB of shared memory per block
+            default = GemmTile(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        else:  # H200, 4096^3: 578 TFLOP/s (128x128: 507)
+            default = GemmTile(block_m=128, block_n=256, num_warps=8, num_stages=3)
+        return self._get("gemm_tile", (m, n, k, arch), default)
+
+    def attention(self, h: int, hkv: int, d: int) -> AttentionConfig:
+        return self._get("paged_attention", (h, hkv, d), AttentionConfig())
+
+    def row(self, op: str, width: int) -> RowConfig:
+        return self._get(op, (width,), RowConfig(num_warps=4 if width <= 4096 else 8))
+
+    def elementwise(self, op: str, width: int) -> ElementwiseConfig:
+        return self._get(op, (width,), ElementwiseConfig())
+
+
+DEFAULT = Configs()

@@ -1,0 +1,168 @@
+"""gemm: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bf16 in, fp32 accumulate, bf16 or f32 out.
+
+One kernel serves decode (M <= 16: narrow BLOCK_N, many programs streaming W) and
+prefill (128x128 tiles). Both paths reduce K the same way, which is the invariance
+argument (DESIGN "Invariance by construction"):
+- every output element is `acc = tl.dot(x_blk, w_blk, acc)` over K blocks in
+  increasing order, one BLOCK_K per weight, fp32 accumulator chained through the
+  dot (never `acc += dot(...)`, which adds a rounding per block). A broadcast
+  multiply + tl.sum cannot match the tensor core's bits, so there is no such path.
+- split-K (SPLIT_K > 1) cuts K into fixed ranges per weight, each written as an f32
+  partial; `gemm_reduce_kernel` sums partials in order 0..S-1, then adds the bias.
+- tile shape, warps and stages (GemmTile) only move elements between programs.
+So row i's output is the same bits for M=1 and M=37: tests/codegen proves it under
+the interpreter, test_triton_gpu.py on the GPU. Measured on the H200 (sm_90): decode
+tiles (BLOCK_M 16/32, mma.sync) and prefill tiles (BLOCK_M 64/128, wgmma, 4 or 8
+warps) give identical rows, and so does BLOCK_K 32/64/128 (the tensor core chains
+k=16 steps either way); split-K does change the bits, hence one split per weight.
+sm_121 (mma.sync only) is not yet measured.
+
+Padded rows: programs whose first row is >= *n_rows_ptr (the live token count, a
+device scalar) return at once; rows past it are garbage the graph never reads.
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from kiln.codegen.triton.configs import DEFAULT, Configs, GemmReduction, GemmTile
+from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
+                                        check_shape, dtype_name, launch, shape_of, sig_type, strides_of)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        # The interpreter's tl.dot is numpy matmul: wrong for bf16, and for f32 its
+        # rounding follows BLAS blocking, i.e. the tile shape. Model the tensor core
+        # instead, where each element sums its K in one order whatever the tile: a
+        # broadcast product reduced over the middle axis, which numpy accumulates in
+        # order k = 0, 1, ... (bf16 -> f32 is exact).
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
+                N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K); N fastest so a decode step
+    # spreads W's rows over all SMs.
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(n_rows_ptr):
+        return
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x and y
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of w, columns of y
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
+        rk = k_start + kk + tl.arange(0, BLOCK_K)  # [BK]
+        a = tl.load(x_rows + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        b = tl.load(w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+        acc = _dot_acc(a, b, acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into the f32 accumulator
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:  # part: f32[SPLIT_K, M, N]
+        p = part_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(p, acc, mask=mask)
+
+
+@triton.jit
+def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
+                       N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); sums the split-K partials in fixed order
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_rows_ptr):
+        return
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc = acc + tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat16", has_bias=False,
+               stride_xm: int | None = None, stride_ym: int | None = None,
+               tile: GemmTile, red: GemmReduction) -> list[KernelSpec]:
+    """The launches of one GEMM: the main kernel, plus the ordered reduce when split-K."""
+    xs, ys = stride_xm or k, stride_ym or n
+    k_per_split = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k
+    check(red.split_k == 1 or k_per_split * (red.split_k - 1) < k, "gemm: split_k leaves a split empty")
+    t = sig_type
+    div = tuple(a for a, v in (("stride_xm", xs), ("stride_ym", ys)) if v % 16 == 0)
+    ptrs = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "part_ptr", "n_rows_ptr")
+    main = KernelSpec(
+        module=__name__, kernel="gemm_kernel",
+        signature={"x_ptr": t(x_dtype), "w_ptr": t(x_dtype), "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype),
+                   "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
+        constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k,
+                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k, INTERPRET=False),
+        grid=(cdiv(n, tile.block_n), cdiv(m, tile.block_m), red.split_k),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
+    if red.split_k == 1:
+        return [main]
+    reduce = KernelSpec(
+        module=__name__, kernel="gemm_reduce_kernel",
+        signature={"part_ptr": "*fp32", "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype), "n_rows_ptr": "*i32",
+                   "M": "i32", "stride_ym": "i32"},
+        constexprs=dict(N=n, HAS_BIAS=has_bias, SPLIT_K=red.split_k, BLOCK_M=32, BLOCK_N=128),
+        grid=(cdiv(n, 128), cdiv(m, 32)), num_warps=4, num_stages=1,
+        divisible=("part_ptr", "bias_ptr", "y_ptr", "n_rows_ptr") + tuple(d for d in div if d == "stride_ym"))
+    return [main, reduce]
+
+
+def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTile | None = None,
+         red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90"):
+    """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
+    out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
+    when split-K. numpy arrays in -> interpreter; device buffers in -> all must be given."""
+    x, w, bias, out, n_rows, workspace = map(as_buf, (x, w, bias, out, n_rows, workspace))
+    (m, k), (n, k2) = shape_of(x), shape_of(w)
+    check(k == k2, f"gemm: x has K={k}, w has K={k2}")
+    check_dtype(x, ("bfloat16", "float16", "float32"), "gemm x")
+    check(dtype_name(w) == dtype_name(x), "gemm: x and w dtypes differ")
+    check_inner_contiguous(x, "gemm x")
+    check_inner_contiguous(w, "gemm w", 2)
+    red = red or configs.gemm_reduction(n, k)
+    tile = tile or configs.gemm_tile(m, n, k, arch)
+    if out is None:
+        out = as_buf(np.empty((m, n), dtype=x.dtype))
+    if n_rows is None:
+        n_rows = as_buf(np.array([m], dtype=np.int32))
+    if bias is not None:
+        check_shape(bias, (n,), "gemm bias")
+        check(dtype_name(bias) == dtype_name(x), "gemm: bias dtype differs from x")
+    check_shape(out, (m, n), "gemm out")
+    check_inner_contiguous(out, "gemm out")
+    if red.split_k > 1:
+        if workspace is None:
+            check(getattr(out, "on_host", False), f"gemm: split_k={red.split_k} needs a device workspace "
+                  f"f32[{red.split_k}, {m}, {n}]")
+            workspace = as_buf(np.empty((red.split_k, m, n), dtype=np.float32))
+        check_shape(workspace, (red.split_k, m, n), "gemm workspace")
+        check_dtype(workspace, ("float32",), "gemm workspace")
+    specs = gemm_specs(m, n, k, x_dtype=dtype_name(x), out_dtype=dtype_name(out), has_bias=bias is not None,
+                       stride_xm=strides_of(x)[0], stride_ym=strides_of(out)[0], tile=tile, red=red)
+    b = bias if bias is not None else out  # unused when HAS_BIAS is False
+    ws = workspace if workspace is not None else out
+    launch(specs[0], [x, w, b, out, ws, n_rows, m, strides_of(x)[0], strides_of(out)[0]])
+    if len(specs) > 1:
+        launch(specs[1], [ws, b, out, n_rows, m, strides_of(out)[0]])
+    return out.array if getattr(out, "on_host", False) else out

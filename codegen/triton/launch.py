@@ -1,0 +1,255 @@
+"""What every kernel wrapper shares: buffers, the KernelSpec, and the launch.
+
+A wrapper describes each launch as a `KernelSpec` (module + kernel name, typed
+signature, constexprs, grid, warps, divisibility hints) and hands it to `launch()`;
+`aot.py` compiles the same spec to a cubin, and a bundle's plan can record it. So
+the spec is the one source of truth for argument order, specialisation and grid.
+
+Buffers are `Buf`s: a numpy array (interpreter) or a raw device pointer with shape
+and dtype (GPU). Torch tensors also work where tests have them.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.graph.dtype import DType, to_numpy
+
+# numpy dtype name -> Triton signature type
+_SIG = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32",
+        "int64": "i64", "uint8": "u8", "float8_e4m3fn": "fp8e4nv"}
+
+
+class Buf:
+    """A typed strided buffer: a numpy array (interpreter) or a raw device pointer.
+
+    Exposes what Triton's launchers read (`data_ptr()`, `dtype`) and, for host
+    arrays, the few torch-storage methods the interpreter calls; on host memory
+    those are identities because the interpreter reads the pointer in place.
+    """
+
+    def __init__(self, array: np.ndarray | None = None, *, ptr: int | None = None,
+                 shape: Sequence[int] = (), dtype: Any = None, strides: Sequence[int] | None = None):
+        self.array = array
+        if array is not None:
+            self.ptr, self.shape, self.np_dtype = array.ctypes.data, tuple(array.shape), array.dtype
+            self.strides = tuple(s // array.itemsize for s in array.strides)
+        else:
+            if ptr is None or dtype is None:
+                raise ValueError("Buf needs an array, or ptr + shape + dtype")
+            self.ptr, self.shape = int(ptr), tuple(int(d) for d in shape)
+            self.np_dtype = to_numpy(DType(dtype)) if isinstance(dtype, (str, DType)) else np.dtype(dtype)
+            self.strides = tuple(strides) if strides is not None else _contiguous(self.shape)
+
+    @property
+    def on_host(self) -> bool:
+        return self.array is not None
+
+    @property
+    def dtype(self):
+        return self.np_dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self, dim: int | None = None):
+        return self.strides if dim is None else self.strides[dim]
+
+    # the interpreter's host round trip (GridExecutor._init_args_hst / _restore_args_dev)
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def new_empty(self, *args, **kwargs):
+        return self
+
+    def set_(self, *args):
+        return self
+
+    def copy_(self, other):
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.shape
+
+    def __repr__(self) -> str:
+        where = "host" if self.on_host else f"0x{self.ptr:x}"
+        return f"Buf({dtype_name(self)}{list(self.shape)} @ {where})"
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def as_buf(x) -> Any:
+    """numpy arrays become Bufs; Bufs and torch tensors pass through."""
+    return Buf(x) if isinstance(x, np.ndarray) else x
+
+
+def tail(x, start: int):
+    """The elements of a 1-D buffer from `start` on, as a buffer (e.g. &query_start_loc[S],
+    the live token count, passed where a kernel wants n_rows_ptr)."""
+    if isinstance(x, Buf) and not x.on_host:
+        return Buf(ptr=x.ptr + start * x.np_dtype.itemsize, shape=(x.shape[0] - start,), dtype=x.np_dtype)
+    if isinstance(x, Buf):
+        return Buf(x.array[start:])
+    return x[start:]
+
+
+def dtype_name(x) -> str:
+    """'bfloat16', 'float32', 'int32', ... for numpy dtypes, Bufs and torch tensors."""
+    return str(getattr(x, "dtype", x)).split(".")[-1]
+
+
+def sig_type(x) -> str:
+    """Triton pointer type of a buffer, a dtype, or a dtype name: '*bf16', '*i32', ..."""
+    return "*" + _SIG[x if isinstance(x, str) else dtype_name(x)]
+
+
+def shape_of(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def strides_of(x) -> tuple[int, ...]:
+    s = x.stride()
+    return tuple(int(v) for v in s)
+
+
+def is_host(x) -> bool:
+    if isinstance(x, Buf):
+        return x.on_host
+    dev = getattr(x, "device", None)
+    return dev is None or str(dev) == "cpu"
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_dtype(x, allowed: Sequence[str], name: str) -> None:
+    check(dtype_name(x) in allowed, f"{name}: dtype {dtype_name(x)} not in {list(allowed)}")
+
+
+def check_shape(x, shape: Sequence[int], name: str) -> None:
+    check(shape_of(x) == tuple(shape), f"{name}: shape {list(shape_of(x))} != {list(shape)}")
+
+
+def check_inner_contiguous(x, name: str, ndim_inner: int = 1) -> None:
+    """The last `ndim_inner` dims are packed row-major (kernels index them as one run)."""
+    shp, st = shape_of(x), strides_of(x)
+    check(st[len(st) - ndim_inner:] == _contiguous(shp[len(shp) - ndim_inner:]),
+          f"{name}: the last {ndim_inner} dim(s) must be contiguous, strides {list(st)}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One launch: which kernel, its typed signature (non-constexpr args in order),
+    the constexpr specialisation, the grid, and the launch config."""
+    module: str
+    kernel: str
+    signature: Mapping[str, str]  # arg name -> Triton type ("*bf16", "i32", "fp32")
+    constexprs: Mapping[str, Any]
+    grid: tuple[int, ...]
+    num_warps: int = 4
+    num_stages: int = 2
+    divisible: tuple[str, ...] = field(default=())  # AOT tt.divisibility=16 hints: 16-byte aligned
+    # pointers, ints that are multiples of 16
+
+    def full_signature(self) -> dict[str, str]:
+        """Signature for ASTSource: every kernel parameter, constexprs typed "constexpr"."""
+        fn = kernel_fn(self)
+        return {a: ("constexpr" if a in self.constexprs else self.signature[a]) for a in fn.arg_names}
+
+
+def kernel_fn(spec: KernelSpec):
+    """The @triton.jit object named by `spec` (interpreted or compiled, as triton was imported)."""
+    return getattr(importlib.import_module(spec.module), spec.kernel)
+
+
+def interpreting() -> bool:
+    """Triton decides interpret-or-compile once, when it is imported (its own
+    triton.language helpers are built in that mode), so this is per process."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def launch(spec: KernelSpec, args: Sequence[Any]) -> None:
+    """Run `spec` with positional non-constexpr `args` (Bufs, torch tensors, ints, floats).
+
+    Under TRITON_INTERPRET=1 the buffers must be host arrays; otherwise device
+    buffers go through Triton's JIT launcher (GPU tests). The production runtime
+    does not come here: it launches the AOT cubin with the same argument order.
+    """
+    check(len(args) == len(spec.signature),
+          f"{spec.kernel}: {len(args)} args for a signature of {len(spec.signature)}")
+    interpret = interpreting()
+    for a in args:
+        if hasattr(a, "data_ptr") and is_host(a) != interpret:
+            raise ValueError(f"{spec.kernel}: {a!r} is {'host' if is_host(a) else 'device'} memory but "
+                             f"triton was imported {'with' if interpret else 'without'} TRITON_INTERPRET=1")
+    if interpret:
+        _interpreter_compat()
+    fn = kernel_fn(spec)
+    kw = dict(spec.constexprs)
+    if "INTERPRET" in fn.arg_names:
+        kw["INTERPRET"] = interpret
+    if interpret:
+        fn[spec.grid](*args, **kw)
+    else:
+        fn[spec.grid](*args, **kw, num_warps=spec.num_warps, num_stages=spec.num_stages)
+
+
+def _interpreter_compat() -> None:
+    """Two fixes to Triton 3.6's interpreter, so it computes what the GPU computes:
+    - a scalar used as an index goes through int() of a shape-(1,) array, which
+      numpy >= 2.4 refuses (`range(runtime_lo, runtime_hi)` in a kernel fails);
+    - f32 -> bf16 casts truncate, where the GPU (cvt.rn.bf16.f32) and numpy round to
+      nearest even; every kernel that stores bf16 would be a rounding off.
+    Patched once, only in the interpreter, only when kiln launches a kernel."""
+    import ml_dtypes
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_kiln_compat", False):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    builder = interpreter.InterpreterBuilder
+    cast_impl = builder.cast_impl
+
+    def patched_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = np.asarray(src.data, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+            return interpreter.TensorHandle(data, dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    builder.cast_impl = patched_cast
+    interpreter._kiln_compat = True

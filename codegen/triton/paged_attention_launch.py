@@ -1,0 +1,131 @@
+"""The wrapper of paged_attention.py: checks, grid, workspace, and the split-KV merge.
+
+Grid (fixed by the bucket, so the plan captures as one CUDA graph; lengths and block
+tables are read from device memory):
+  axis 0: (T + S (2 BLOCK_Q - 2)) // BLOCK_Q programs. Sequence s owns programs
+          from start(s) = (qsl[s] + s (2 BLOCK_Q - 2)) // BLOCK_Q; it needs at most
+          (n_s + 2 BLOCK_Q - 2) // BLOCK_Q of them (its queries may straddle one
+          more absolutely aligned q block than cdiv(n_s, BLOCK_Q)), and start(s+1) -
+          start(s) is at least that. Programs past a sequence's blocks return.
+  axis 1: Hkv (each program serves the H / Hkv query heads of one KV head: GQA rows)
+  axis 2: MAX_SEGS = cdiv(max_model_len, SEG) when split, else 1.
+Split needs f32 workspaces ws_acc [T, MAX_SEGS, H, D] and ws_ml [T, MAX_SEGS, H, 2],
+`positions` (the step input) and the merge launch, grid (T, cdiv(H, BLOCK_H)).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.codegen.triton.configs import DEFAULT, AttentionConfig, Configs
+from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
+                                        check_shape, dtype_name, launch, next_pow2, shape_of, sig_type, strides_of,
+                                        tail)
+
+MODULE = "kiln.codegen.triton.paged_attention"
+
+
+def attention_block_q(h: int, hkv: int, config: AttentionConfig) -> int:
+    """Query positions per program: at least enough rows (BLOCK_Q * G_PAD) for tl.dot's 16."""
+    return max(next_pow2(config.block_q), cdiv(16, next_pow2(h // hkv)))
+
+
+def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: int, *, split: bool,
+                          max_model_len: int, dtype: str = "bfloat16", out_dtype: str | None = None,
+                          config: AttentionConfig) -> list[KernelSpec]:
+    check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
+    check(config.tile >= 16 and config.tile == next_pow2(config.tile),
+          "paged_attention: tile must be a power of 2 >= 16")
+    bq = attention_block_q(h, hkv, config)
+    max_segs = cdiv(max_model_len, config.seg) if split else 1
+    p, o = sig_type(dtype), sig_type(out_dtype or dtype)
+    i32 = lambda *names: {n: "i32" for n in names}
+    main = KernelSpec(
+        module=MODULE, kernel="paged_attention_kernel",
+        signature=dict(q_ptr=p, **i32("stride_qt", "stride_qh"), cache_ptr=p,
+                       **i32("stride_cb", "stride_ckv", "stride_cp", "stride_ch"), bt_ptr="*i32", stride_bt="i32",
+                       seq_lens_ptr="*i32", qsl_ptr="*i32", num_seqs="i32", out_ptr=o,
+                       **i32("stride_ot", "stride_oh"), ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", qk_scale="fp32",
+                       window="i32"),
+        constexprs=dict(H=h, HKV=hkv, D=d, BLOCK_D=next_pow2(d), BS=bs, G_PAD=next_pow2(h // hkv), BLOCK_Q=bq,
+                        TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, INTERPRET=False),
+        grid=(max(1, (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))
+    if not split:
+        return [main]
+    block_h = min(next_pow2(h), 16)
+    merge = KernelSpec(
+        module=MODULE, kernel="attention_merge_kernel",
+        signature=dict(ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", positions_ptr="*i32", n_rows_ptr="*i32", out_ptr=o,
+                       **i32("stride_ot", "stride_oh", "window")),
+        constexprs=dict(H=h, D=d, BLOCK_H=block_h, BLOCK_D=next_pow2(d), SEG=config.seg, MAX_SEGS=max_segs),
+        grid=(t, cdiv(h, block_h)), num_warps=4, num_stages=1,
+        divisible=("ws_acc_ptr", "ws_ml_ptr", "positions_ptr", "n_rows_ptr", "out_ptr"))
+    return [main, merge]
+
+
+def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, *, scale: float,
+                    sliding_window: int = 0, split: bool = False, max_model_len: int | None = None,
+                    positions=None, workspace=None, config: AttentionConfig | None = None,
+                    configs: Configs = DEFAULT):
+    """q: [T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32[S, MB]; seq_lens: i32[S];
+    query_start_loc: i32[S+1] -> out: [T, H, D]. Split: positions i32[T], workspace
+    (ws_acc, ws_ml) or None on the host; max_model_len defaults to MB * BS."""
+    q, cache, block_table, seq_lens, query_start_loc, out, positions = map(
+        as_buf, (q, cache, block_table, seq_lens, query_start_loc, out, positions))
+    t, h, d = shape_of(q)
+    _, two, bs, hkv, d2 = shape_of(cache)
+    check(two == 2 and d2 == d, f"paged_attention: cache {list(shape_of(cache))} does not fit q {[t, h, d]}")
+    check(h % hkv == 0, f"paged_attention: H={h} is not a multiple of Hkv={hkv}")
+    check(dtype_name(cache) == dtype_name(q), "paged_attention: cache dtype differs from q")
+    check_inner_contiguous(q, "paged_attention q", 2)
+    check_inner_contiguous(cache, "paged_attention cache", 2)
+    s, mb = shape_of(block_table)
+    for b, shp, name in ((block_table, (s, mb), "block_table"), (seq_lens, (s,), "seq_lens"),
+                         (query_start_loc, (s + 1,), "query_start_loc")):
+        check_shape(b, shp, name)
+        check_dtype(b, ("int32",), name)
+    check_inner_contiguous(block_table, "block_table")
+    if getattr(seq_lens, "on_host", False) and s:  # device lengths cannot be checked here
+        check(int(seq_lens.array.max()) <= mb * bs, f"paged_attention: a sequence is longer than "
+              f"its block table ({mb} blocks of {bs})")
+    out = out if out is not None else as_buf(np.empty((t, h, d), dtype=q.dtype))
+    check(shape_of(out) == (t, h, d), "paged_attention: bad out")
+    check_inner_contiguous(out, "paged_attention out", 2)
+    config = config or configs.attention(h, hkv, d)
+    max_model_len = max_model_len or mb * bs
+    specs = paged_attention_specs(t, h, hkv, d, bs, s, split=split, max_model_len=max_model_len,
+                                  dtype=dtype_name(q), out_dtype=dtype_name(out), config=config)
+    max_segs = specs[0].constexprs["MAX_SEGS"]
+    if split:
+        if workspace is None:
+            check(getattr(out, "on_host", False), "paged_attention: split needs device workspaces "
+                  f"f32[{t}, {max_segs}, {h}, {d}] and f32[{t}, {max_segs}, {h}, 2]")
+            workspace = (np.empty((t, max_segs, h, d), np.float32), np.empty((t, max_segs, h, 2), np.float32))
+        ws_acc, ws_ml = map(as_buf, workspace)
+        check_shape(ws_acc, (t, max_segs, h, d), "paged_attention ws_acc")
+        check_shape(ws_ml, (t, max_segs, h, 2), "paged_attention ws_ml")
+        if positions is None:
+            check(getattr(out, "on_host", False), "paged_attention: split needs `positions` on the device")
+            positions = as_buf(_positions(query_start_loc.array, seq_lens.array, t))
+        check_shape(positions, (t,), "positions")
+    else:
+        ws_acc = ws_ml = out  # unused
+    sq, sc, so = strides_of(q), strides_of(cache), strides_of(out)
+    qk_scale = float(scale) * math.log2(math.e)
+    launch(specs[0], [q, sq[0], sq[1], cache, sc[0], sc[1], sc[2], sc[3], block_table, strides_of(block_table)[0],
+                      seq_lens, query_start_loc, s, out, so[0], so[1], ws_acc, ws_ml, qk_scale, int(sliding_window)])
+    if split:  # n_rows_ptr = &query_start_loc[S]: the live token count
+        launch(specs[1], [ws_acc, ws_ml, positions, tail(query_start_loc, s), out, so[0], so[1], int(sliding_window)])
+    return out.array if getattr(out, "on_host", False) else out
+
+
+def _positions(qsl: np.ndarray, seq_lens: np.ndarray, t: int) -> np.ndarray:
+    """Host helper: each token's position, from the varlen metadata (padding -> 0)."""
+    pos = np.zeros(t, np.int32)
+    for s in range(len(seq_lens)):
+        q0, q1 = int(qsl[s]), int(qsl[s + 1])
+        pos[q0:q1] = np.arange(int(seq_lens[s]) - (q1 - q0), int(seq_lens[s]))
+    return pos

@@ -1,0 +1,110 @@
+"""rms_norm and add_rms_norm (vLLM's fused_add_rms_norm), one program per row.
+
+Semantics are graph/ops.py's: mean of squares in f32, x * 1/sqrt(var + eps) rounded
+to the storage dtype, then times (w + offset) in f32 and rounded again (HF
+LlamaRMSNorm; offset=1 is the Gemma / Qwen3-Next (1 + w) form). add_rms_norm first
+rounds x + residual to the storage dtype, writes it as the new residual, and
+normalises that.
+
+Rows: x is [T, R, N] with any token and row strides (R = 1 for [T, N]; per-head q/k
+norm passes [T, heads, D]), so a view into a fused qkv buffer works. The whole row
+sits in one program (BLOCK_N = next_pow2(N)), so the reduction order is fixed by N
+and the config, never by T. Programs of tokens >= *n_rows_ptr return at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from kiln.codegen.triton.configs import DEFAULT, Configs, RowConfig
+from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_inner_contiguous, check_shape, dtype_name,
+                                        launch, next_pow2, shape_of, sig_type, strides_of)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n_rows_ptr,
+                    stride_xt, stride_xr, stride_rt, stride_rr, stride_yt, stride_yr, stride_ot, stride_or,
+                    eps, offset,
+                    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # grid: (T, R). x, res, y, res_out: [T, R, N]; w: [N]
+    t, r = tl.program_id(0), tl.program_id(1)
+    if t >= tl.load(n_rows_ptr):
+        return
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + r * stride_xr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + t.to(tl.int64) * stride_rt + r * stride_rr + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the new residual
+        tl.store(res_out_ptr + t.to(tl.int64) * stride_ot + r * stride_or + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    xn = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight (HF)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xn * (w + offset)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + r * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_spec(t: int, r: int, n: int, dtype: str = "bfloat16", *, has_residual: bool,
+                  config: RowConfig) -> KernelSpec:
+    p = sig_type(dtype)
+    return KernelSpec(
+        module=__name__, kernel="rms_norm_kernel",
+        signature=dict(x_ptr=p, res_ptr=p, w_ptr=p, y_ptr=p, res_out_ptr=p, n_rows_ptr="*i32",
+                       **{s: "i32" for s in ("stride_xt", "stride_xr", "stride_rt", "stride_rr", "stride_yt",
+                                             "stride_yr", "stride_ot", "stride_or")},
+                       eps="fp32", offset="fp32"),
+        constexprs=dict(N=n, BLOCK_N=next_pow2(n), HAS_RESIDUAL=has_residual),
+        grid=(t, r), num_warps=config.num_warps, num_stages=1,
+        divisible=("x_ptr", "res_ptr", "w_ptr", "y_ptr", "res_out_ptr", "n_rows_ptr"))
+
+
+def _rows3(x, name):
+    """[T, N] or [T, R, N] -> (buf, T, R, N, stride_t, stride_r)."""
+    shp, st = shape_of(x), strides_of(x)
+    check(len(shp) in (2, 3), f"{name}: want [T, N] or [T, R, N], got {list(shp)}")
+    check_inner_contiguous(x, name)
+    if len(shp) == 2:
+        return shp[0], 1, shp[1], st[0], 0
+    return shp[0], shp[1], shp[2], st[0], st[1]
+
+
+def _norm(x, residual, w, out, res_out, n_rows, eps, offset, config, configs):
+    x, residual, w, out, res_out, n_rows = map(as_buf, (x, residual, w, out, res_out, n_rows))
+    t, r, n, sxt, sxr = _rows3(x, "rms_norm x")
+    check_shape(w, (n,), "rms_norm w")
+    check(dtype_name(w) == dtype_name(x), "rms_norm: w dtype differs from x")
+    host = lambda: as_buf(np.empty(shape_of(x), dtype=x.dtype))
+    out = out if out is not None else host()
+    check(shape_of(out) == shape_of(x) and dtype_name(out) == dtype_name(x), "rms_norm: bad out")
+    _, _, _, syt, syr = _rows3(out, "rms_norm out")
+    has_res = residual is not None
+    if has_res:
+        check(shape_of(residual) == shape_of(x) and dtype_name(residual) == dtype_name(x), "add_rms_norm: bad residual")
+        res_out = res_out if res_out is not None else host()
+        check(shape_of(res_out) == shape_of(x) and dtype_name(res_out) == dtype_name(x), "add_rms_norm: bad res_out")
+        _, _, _, srt, srr = _rows3(residual, "add_rms_norm residual")
+        _, _, _, sot, sor = _rows3(res_out, "add_rms_norm res_out")
+    else:
+        residual, res_out, srt, srr, sot, sor = x, out, 0, 0, 0, 0
+    n_rows = n_rows if n_rows is not None else as_buf(np.array([t], dtype=np.int32))
+    config = config or configs.row("rms_norm", n)
+    spec = rms_norm_spec(t, r, n, dtype_name(x), has_residual=has_res, config=config)
+    launch(spec, [x, residual, w, out, res_out, n_rows, sxt, sxr, srt, srr, syt, syr, sot, sor,
+                  float(eps), float(offset)])
+    unwrap = lambda b: b.array if getattr(b, "on_host", False) else b
+    return (unwrap(out), unwrap(res_out)) if has_res else unwrap(out)
+
+
+def rms_norm(x, w, out=None, *, eps: float, offset: float = 0.0, n_rows=None,
+             config: RowConfig | None = None, configs: Configs = DEFAULT):
+    """x: [T, N] or [T, R, N] -> rms_norm(x) * (w + offset), same shape and dtype."""
+    return _norm(x, None, w, out, None, n_rows, eps, offset, config, configs)
+
+
+def add_rms_norm(x, residual, w, out=None, res_out=None, *, eps: float, offset: float = 0.0,
+                 n_rows=None, config: RowConfig | None = None, configs: Configs = DEFAULT):
+    """-> (rms_norm(x + residual), x + residual). res_out may be `residual` itself (in place)."""
+    return _norm(x, residual, w, out, res_out, n_rows, eps, offset, config, configs)

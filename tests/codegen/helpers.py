@@ -1,0 +1,46 @@
+"""Random inputs and the tolerance rule for kernel tests (DESIGN "Oracles")."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def rand(rng: np.random.Generator, shape, dtype=BF16, scale: float = 1.0) -> np.ndarray:
+    """Fresh normal values, never zeros (a zero input hides a kernel that writes nothing)."""
+    x = rng.standard_normal(shape).astype(np.float32) * np.float32(scale)
+    x[x == 0] = 0.5
+    return x.astype(dtype)
+
+
+def f32(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)
+
+
+def assert_close(actual, expected, rtol: float = 1e-2, atol: float | None = None, what: str = "") -> None:
+    """|a - e| <= atol + rtol |e| elementwise; atol defaults to rtol * max|e| (bf16
+    roundings of intermediates are relative to the operands, not to a small result).
+    NaN or inf never passes."""
+    a, e = f32(actual), f32(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert np.isfinite(a).all(), f"{what}: non-finite values in the kernel output"
+    assert np.isfinite(e).all(), f"{what}: non-finite values in the reference"
+    atol = rtol * float(np.abs(e).max()) if atol is None else atol
+    err = np.abs(a - e)
+    bad = err > atol + rtol * np.abs(e)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} off; worst {float(err.max()):.4g} "
+                           f"(atol {atol:.3g}, rtol {rtol})")
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def require_interpreter():
+    from kiln.codegen.triton.launch import interpreting
+
+    if not interpreting():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run `pytest tests/codegen`")

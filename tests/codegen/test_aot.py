@@ -1,0 +1,95 @@
+"""Every kernel compiles to sm_90 and sm_121a cubins on this CPU-only machine, and the
+disk cache makes a second compile take milliseconds.
+
+Under the interpreter (this folder's conftest) cache misses compile in one child
+process without TRITON_INTERPRET; the whole set takes tens of seconds on 2 cores,
+hence the slow marker.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kiln.codegen.triton.aot import compile_spec, compile_specs
+from kiln.codegen.triton.argmax import argmax_spec
+from kiln.codegen.triton.attention_preamble import attention_preamble_spec
+from kiln.codegen.triton.configs import DEFAULT, AttentionConfig, GemmReduction
+from kiln.codegen.triton.gather import gather_rows_spec
+from kiln.codegen.triton.gemm import gemm_specs
+from kiln.codegen.triton.paged_attention_launch import paged_attention_specs
+from kiln.codegen.triton.rms_norm import rms_norm_spec
+from kiln.codegen.triton.silu_mul import silu_mul_spec
+
+# Llama-3-8B-like shapes; one bucket of 64 tokens, 8 sequences.
+H, HKV, D, HID, I, V, BS, T, S = 32, 8, 128, 4096, 14336, 128256, 16, 64, 8
+ARCHS = ("sm_90", "sm_121")
+
+
+def all_specs():
+    c = DEFAULT
+    specs = []
+    for m in (1, 64, 512):  # decode tile (mma.sync), 64-row and 128x128 (wgmma on sm_90) tiles
+        specs += gemm_specs(m, 6144, HID, has_bias=m == 64, tile=c.gemm_tile(m, 6144, HID),
+                            red=c.gemm_reduction(6144, HID))
+    specs += gemm_specs(T, HID, I, tile=c.gemm_tile(T, HID, I), red=GemmReduction(64, 4))  # + ordered reduce
+    specs += gemm_specs(S, V, HID, out_dtype="float32", tile=c.gemm_tile(S, V, HID), red=c.gemm_reduction(V, HID))
+    specs.append(rms_norm_spec(T, 1, HID, has_residual=False, config=c.row("rms_norm", HID)))
+    specs.append(rms_norm_spec(T, 1, HID, has_residual=True, config=c.row("rms_norm", HID)))
+    specs.append(silu_mul_spec(T, I, config=c.elementwise("silu_mul", I)))
+    for neox, rot, norm in ((True, D, False), (False, D // 2, True)):
+        specs.append(attention_preamble_spec(T, H, HKV, D, rot, BS, is_neox=neox, qk_norm=norm,
+                                             config=c.row("attention_preamble", H * D)))
+    for split in (False, True):  # split adds the merge kernel
+        specs += paged_attention_specs(T, H, HKV, D, BS, S, split=split, max_model_len=8192,
+                                       config=AttentionConfig())
+    specs.append(gather_rows_spec(T, HID, config=c.elementwise("embedding", HID)))
+    specs.append(argmax_spec(S, V, config=c.elementwise("argmax", V)))
+    return specs
+
+
+def test_every_kernel_is_covered():
+    kernels = {s.kernel for s in all_specs()}
+    assert kernels == {"gemm_kernel", "gemm_reduce_kernel", "rms_norm_kernel", "silu_mul_kernel",
+                       "attention_preamble_kernel", "paged_attention_kernel", "attention_merge_kernel",
+                       "gather_rows_kernel", "argmax_kernel"}
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_both_archs(tmp_path):
+    jobs = [(spec, arch) for spec in all_specs() for arch in ARCHS]
+    t0 = time.perf_counter()
+    out = compile_specs(jobs, cache_dir=tmp_path)
+    cold = time.perf_counter() - t0
+    for (spec, arch), c in zip(jobs, out, strict=True):
+        where = f"{spec.kernel} {spec.constexprs} @ {arch}"
+        assert c.cubin[:4] == b"\x7fELF", where
+        assert c.name == spec.kernel, where
+        assert c.target == {"sm_90": "sm_90a", "sm_121": "sm_121a"}[arch], where
+        assert c.num_warps == spec.num_warps, where
+        assert c.n_hidden == 2, where  # Triton 3.6: global + profile scratch pointers
+        assert c.global_scratch_size == 0, where  # the runtime may pass null scratch pointers
+        assert c.shared <= (227 if arch == "sm_90" else 99) * 1024, where
+    t0 = time.perf_counter()
+    again = compile_specs(jobs, cache_dir=tmp_path)
+    warm = time.perf_counter() - t0
+    assert again == out
+    assert warm < 0.05 * cold and warm < 2.0, f"cache hit took {warm:.3f}s for {len(jobs)} kernels"
+
+
+def test_cache_hit_is_fast_and_keyed_by_the_spec(tmp_path):
+    spec = silu_mul_spec(T, 512, config=DEFAULT.elementwise("silu_mul", 512))
+    first = compile_spec(spec, "sm_90", cache_dir=tmp_path)
+    t0 = time.perf_counter()
+    second = compile_spec(spec, "sm_90", cache_dir=tmp_path)
+    assert time.perf_counter() - t0 < 0.05
+    assert second == first
+    other = silu_mul_spec(T, 1024, config=DEFAULT.elementwise("silu_mul", 1024))  # another constexpr
+    assert compile_spec(other, "sm_90", cache_dir=tmp_path).cubin != first.cubin
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
+
+
+def test_unknown_arch_is_one_clear_error(tmp_path):
+    spec = silu_mul_spec(T, 512, config=DEFAULT.elementwise("silu_mul", 512))
+    with pytest.raises(ValueError, match="unknown arch 'sm_80'"):
+        compile_spec(spec, "sm_80", cache_dir=tmp_path)

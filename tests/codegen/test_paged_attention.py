@@ -1,0 +1,114 @@
+"""paged_attention under the interpreter: vs ops.paged_attention, and bit-exact
+invariance of a token's output to how its queries are grouped (prefill chunk,
+chunked prefill, decode, split-KV or not, padded bucket)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.codegen.triton.configs import AttentionConfig
+from kiln.codegen.triton.paged_attention_launch import paged_attention
+from kiln.graph import ops
+from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
+
+CFG = AttentionConfig(block_q=4, tile=16, seg=32)  # small seg: several segments per sequence
+BS, NB, MB = 4, 128, 32
+
+
+@pytest.fixture(autouse=True)
+def interpreter():
+    require_interpreter()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def make_batch(rng, seqs, h, hkv, d, cache=None):
+    """seqs: [(context length L, new tokens n)] -> (q, cache, block_table, seq_lens, qsl).
+    Each sequence owns a scattered set of physical blocks; the whole cache is random,
+    so the prefix (positions < L - n) plays the prefix-cached blocks."""
+    cache = rand(rng, (NB, 2, BS, hkv, d)) if cache is None else cache
+    perm = rng.permutation(NB)
+    bt = np.stack([perm[i * MB:(i + 1) * MB] if (i + 1) * MB <= NB else np.roll(perm, i)[:MB]
+                   for i in range(len(seqs))]).astype(np.int32)
+    seq_lens = np.array([L for L, _ in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    q = rand(rng, (int(qsl[-1]), h, d))
+    return q, cache, bt, seq_lens, qsl
+
+
+def run(q, cache, bt, sl, qsl, f32_out=True, **kw):
+    """f32 output by default: the invariance checks compare f32 bits, which a change in
+    summation order flips far more often than the rounded bf16 would."""
+    if f32_out and "out" not in kw:
+        kw["out"] = np.empty(q.shape, np.float32)
+    return paged_attention(q, cache, bt, sl, qsl, scale=q.shape[-1] ** -0.5, config=CFG, **kw)
+
+
+@pytest.mark.parametrize("h,hkv,d", [(8, 2, 32), (3, 3, 16), (6, 2, 48)])  # GQA 4, MHA, G=3 / D=48 padded
+def test_mixed_batch_matches_reference(rng, h, hkv, d):
+    # prefix-cached prefill chunk, decode, fresh prefill, long context with a short chunk
+    seqs = [(29, 11), (17, 1), (9, 9), (70, 3)]
+    q, cache, bt, sl, qsl = make_batch(rng, seqs, h, hkv, d)
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5)
+    assert_close(run(q, cache, bt, sl, qsl, f32_out=False), ref, what="attention, bf16 out")
+    out = run(q, cache, bt, sl, qsl)
+    assert_close(out, ref, what="attention, f32 out")
+    assert same_bits(run(q, cache, bt, sl, qsl, split=True), out), "split-KV changed the bits"
+
+
+def test_decode_equals_prefill_bit_exact(rng):
+    """The last position of a 100-token sequence (4 segments, 7 tiles): in a full prefill
+    inside a mixed batch, in the second chunk of a chunked prefill, and as a decode
+    step, split or not. Four segments make the fold order matter (with two, a + b
+    commutes)."""
+    h, hkv, d, n = 8, 2, 32, 100
+    q, cache, bt, sl, qsl = make_batch(rng, [(13, 5), (n, n), (30, 2)], h, hkv, d)
+    full = run(q, cache, bt, sl, qsl)
+    seq = q[qsl[1]:qsl[2]]  # [n, H, D]: this sequence's queries
+    one = lambda x: np.ascontiguousarray(x)
+    chunk2 = run(one(seq[41:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, n - 41], np.int32))
+    for p in (41, 66, n - 1):
+        assert same_bits(chunk2[p - 41], full[qsl[1] + p]), f"chunked prefill changed position {p}"
+    for split in (False, True):
+        dec = run(one(seq[n - 1:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, 1], np.int32),
+                  split=split)
+        assert same_bits(dec[0], full[qsl[1] + n - 1]), f"decode (split={split}) differs from prefill"
+    # decode inside a batch of other decodes: the neighbours must not matter either
+    qd = one(np.stack([q[qsl[1] + n - 1], q[qsl[0] + 4], q[qsl[2] + 1]]))
+    dec = run(qd, cache, bt[[1, 0, 2]], sl[[1, 0, 2]], np.arange(4, dtype=np.int32), split=True)
+    assert same_bits(dec[0], full[qsl[1] + n - 1])
+    assert same_bits(dec[1], full[qsl[0] + 4])
+
+
+def test_sliding_window(rng):
+    h, hkv, d, w = 4, 2, 16, 20
+    q, cache, bt, sl, qsl = make_batch(rng, [(50, 12), (41, 1)], h, hkv, d)
+    out = run(q, cache, bt, sl, qsl, sliding_window=w)
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5, sliding_window=w)
+    assert_close(out, ref, what="sliding window")
+    dec = run(np.ascontiguousarray(q[11:12]), cache, bt[:1], sl[:1], np.array([0, 1], np.int32),
+              split=True, sliding_window=w)
+    assert same_bits(dec[0], out[11])
+
+
+def test_padded_bucket_writes_only_live_rows(rng):
+    """T and S padded up to a bucket: padded tokens belong to no sequence (qsl stops at
+    the live count, padded sequences are empty) and their rows are never written."""
+    h, hkv, d = 4, 1, 16
+    q, cache, bt, sl, qsl = make_batch(rng, [(21, 6), (8, 1)], h, hkv, d)
+    live = run(q, cache, bt, sl, qsl, f32_out=False)
+    t, pad_t, pad_s = q.shape[0], 5, 2
+    qp = np.concatenate([q, rand(rng, (pad_t, h, d))])
+    btp = np.concatenate([bt, np.zeros((pad_s, MB), np.int32)])
+    slp = np.concatenate([sl, np.zeros(pad_s, np.int32)])
+    qslp = np.concatenate([qsl, np.full(pad_s, qsl[-1], np.int32)])
+    for split in (False, True):
+        out = np.full((t + pad_t, h, d), 3.0, BF16)
+        pos = np.zeros(t + pad_t, np.int32)
+        pos[:t] = np.concatenate([np.arange(L - n, L) for L, n in ((21, 6), (8, 1))])
+        run(qp, cache, btp, slp, qslp, out=out, split=split, positions=pos)
+        assert same_bits(out[:t], live)
+        assert (f32(out[t:]) == 3.0).all()

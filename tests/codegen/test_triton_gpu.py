@@ -1,0 +1,201 @@
+"""The kernels on a real GPU: numbers vs graph/ops.py, bit-exact invariance with the
+hardware's own MMA instructions, and an AOT cubin launched through cuda.bindings.
+
+Needs CUDA and triton in compile mode, so run it apart from the interpreter tests:
+    TRITON_INTERPRET=0 pytest -m gpu tests/codegen/test_triton_gpu.py
+torch (a test dependency) only holds device memory here.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from kiln.codegen.triton.configs import AttentionConfig, GemmReduction, GemmTile
+from kiln.graph import ops
+from tests.codegen.helpers import BF16, assert_close, f32, rand, same_bits
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda():
+    from kiln.codegen.triton.launch import interpreting
+
+    if interpreting():
+        pytest.skip("triton is in interpreter mode; run with TRITON_INTERPRET=0")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def dev(x: np.ndarray):
+    if x.dtype == BF16:
+        return torch.from_numpy(f32(x)).to("cuda", torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
+
+
+def host(t) -> np.ndarray:
+    torch.cuda.synchronize()
+    return t.float().cpu().numpy().astype(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy()
+
+
+TILES = {  # on sm_90: BLOCK_M 16 -> mma.sync; 64 and 128 -> wgmma
+    "decode": GemmTile(16, 32, 4, 4), "mid": GemmTile(64, 64, 4, 3), "prefill": GemmTile(128, 128, 8, 3)}
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemm_rows_invariant_across_tiles_and_instructions(split):
+    from kiln.codegen.triton.gemm import gemm
+
+    rng = np.random.default_rng(0)
+    m, n, k = 300, 512, 1024
+    x, w, b = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (n,))
+    red = GemmReduction(64, split)
+
+    def run(rows, tile):
+        out = torch.empty((len(rows), n), dtype=torch.float32, device="cuda")
+        ws = torch.empty((split, len(rows), n), dtype=torch.float32, device="cuda")
+        nr = torch.tensor([len(rows)], dtype=torch.int32, device="cuda")
+        gemm(dev(np.ascontiguousarray(x[rows])), dev(w), dev(b), out, n_rows=nr, workspace=ws, tile=tile, red=red)
+        return host(out)
+
+    full = run(np.arange(m), TILES["prefill"])
+    assert_close(full, ops.linear(x, w, b).astype(np.float32), what="gemm")
+    for name, rows in (("decode", [7]), ("decode", [0, 1, 2]), ("mid", list(range(37))), ("prefill", [299])):
+        got = run(np.array(rows), TILES[name])
+        assert same_bits(got, full[rows]), f"{name} tile, M={len(rows)}: rows differ from M=300"
+
+
+def attention(q, cache, bt, sl, qsl, split, cfg):
+    from kiln.codegen.triton.paged_attention_launch import paged_attention
+
+    t, h, d = q.shape
+    segs = -(-bt.shape[1] * cache.shape[2] // cfg.seg)
+    out = torch.empty((t, h, d), dtype=torch.float32, device="cuda")
+    ws = (torch.empty((t, segs, h, d), dtype=torch.float32, device="cuda"),
+          torch.empty((t, segs, h, 2), dtype=torch.float32, device="cuda"))
+    pos = np.concatenate([np.arange(L - (qsl[i + 1] - qsl[i]), L) for i, L in enumerate(sl)]).astype(np.int32)
+    paged_attention(dev(q), dev(cache), dev(bt), dev(sl), dev(qsl), out, scale=d ** -0.5, split=split,
+                    positions=dev(pos), workspace=ws, config=cfg)
+    return host(out)
+
+
+@pytest.mark.parametrize("cfg", [AttentionConfig(4, 32, 256), AttentionConfig(4, 16, 64)])
+def test_attention_decode_equals_prefill_on_gpu(cfg):
+    rng = np.random.default_rng(1)
+    h, hkv, d, bs, nb, mb, n = 32, 8, 128, 16, 256, 48, 700
+    cache = rand(rng, (nb, 2, bs, hkv, d))
+    perm = rng.permutation(nb)
+    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
+    seqs = [(90, 17), (n, n), (400, 1)]
+    sl = np.array([L for L, _ in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
+    q = rand(rng, (int(qsl[-1]), h, d))
+    full = attention(q, cache, bt, sl, qsl, False, cfg)
+    assert_close(full, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
+    assert same_bits(attention(q, cache, bt, sl, qsl, True, cfg), full), "split-KV changed the bits"
+    last = qsl[1] + n - 1
+    for split in (False, True):
+        dec = attention(np.ascontiguousarray(q[last:last + 1]), cache, bt[1:2], sl[1:2],
+                        np.array([0, 1], np.int32), split, cfg)
+        assert same_bits(dec[0], full[last]), f"decode (split={split}) differs from prefill"
+    chunk = attention(np.ascontiguousarray(q[qsl[1] + 300:qsl[2]]), cache, bt[1:2], sl[1:2],
+                      np.array([0, n - 300], np.int32), False, cfg)
+    assert same_bits(chunk, full[qsl[1] + 300:qsl[2]]), "chunked prefill differs"
+
+
+def test_elementwise_kernels_on_gpu():
+    from kiln.codegen.triton.argmax import argmax
+    from kiln.codegen.triton.gather import embedding
+    from kiln.codegen.triton.rms_norm import add_rms_norm
+    from kiln.codegen.triton.silu_mul import silu_mul
+
+    rng = np.random.default_rng(2)
+    x, r, w = rand(rng, (33, 4096)), rand(rng, (33, 4096)), rand(rng, (4096,))
+    y, s = torch.empty_like(dev(x)), torch.empty_like(dev(x))
+    add_rms_norm(dev(x), dev(r), dev(w), y, s, eps=1e-6, n_rows=dev(np.array([33], np.int32)))
+    ry, rs = ops.add_rms_norm(x, r, w, eps=1e-6)
+    assert_close(host(y), ry)
+    assert same_bits(host(s), rs)
+    g, u = rand(rng, (33, 1000)), rand(rng, (33, 1000))
+    o = torch.empty_like(dev(g))
+    silu_mul(dev(g), dev(u), o, n_rows=dev(np.array([33], np.int32)))
+    assert_close(host(o), ops.silu_mul(g, u))
+    table, ids = rand(rng, (1000, 256)), rng.integers(0, 1000, 9).astype(np.int32)
+    e = torch.empty((9, 256), dtype=torch.bfloat16, device="cuda")
+    embedding(dev(ids), dev(table), e, n_rows=dev(np.array([9], np.int32)))
+    assert same_bits(host(e), table[ids])
+    logits = rand(rng, (4, 50000), np.float32)
+    logits[1, [3, 40000]] = 99.0
+    am = torch.empty((4,), dtype=torch.int32, device="cuda")
+    argmax(dev(logits), am, n_rows=dev(np.array([4], np.int32)))
+    assert host(am).tolist() == np.argmax(logits, axis=1).tolist()
+
+
+@pytest.mark.parametrize("is_neox,rot,qk_norm", [(True, 128, False), (False, 64, True)])
+def test_attention_preamble_on_gpu(is_neox, rot, qk_norm):
+    from kiln.codegen.triton import reference as R
+    from kiln.codegen.triton.attention_preamble import attention_preamble
+
+    rng = np.random.default_rng(4)
+    t, h, hkv, d, bs, nb, max_pos = 40, 32, 8, 128, 16, 8, 4096
+    qkv = rand(rng, (t, (h + 2 * hkv) * d))
+    pos = rng.integers(0, max_pos, t).astype(np.int32)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    slots[5] = -1
+    cache = rand(rng, (nb, 2, bs, hkv, d))
+    qw, kw = (rand(rng, (d,)), rand(rng, (d,))) if qk_norm else (None, None)
+    cos, sin = R.rope_tables(rot, 1e6, (), max_pos)
+    qkv_d, cache_d = dev(qkv), dev(cache)
+    views = (qkv_d[:, :h * d].view(t, h, d), qkv_d[:, h * d:(h + hkv) * d].view(t, hkv, d),
+             qkv_d[:, (h + hkv) * d:].view(t, hkv, d))
+    q_out = torch.empty((t, h, d), dtype=torch.bfloat16, device="cuda")
+    attention_preamble(*views, cache_d, dev(pos), dev(slots), dev(cos), dev(sin),
+                       *((dev(qw), dev(kw)) if qk_norm else (None, None)), q_out, is_neox=is_neox,
+                       n_rows=dev(np.array([t], np.int32)))
+    q, k, v = (np.ascontiguousarray(a) for a in (qkv[:, :h * d].reshape(t, h, d),
+                                                  qkv[:, h * d:(h + hkv) * d].reshape(t, hkv, d),
+                                                  qkv[:, (h + hkv) * d:].reshape(t, hkv, d)))
+    ref_q, ref_cache = R.attention_preamble(q, k, v, cache.copy(), pos, slots, qw, kw, theta=1e6,
+                                            rotary_dim=rot, is_neox=is_neox, max_position=max_pos)
+    assert_close(host(q_out), ref_q, what="rotated q")
+    assert_close(host(cache_d), ref_cache, what="cache")
+
+
+def test_aot_cubin_launches_through_cuda_bindings(tmp_path):
+    """The runtime's path: compile_spec -> cuModuleLoadData -> cuLaunchKernel with the
+    spec's args and null hidden scratch pointers (a GEMM tile with > 48 KiB smem)."""
+    from cuda.bindings import driver as cu
+
+    from kiln.codegen.triton.aot import compile_spec
+    from kiln.codegen.triton.gemm import gemm_specs
+
+    rng = np.random.default_rng(3)
+    m, n, k = 256, 512, 1024
+    x, w = rand(rng, (m, k)), rand(rng, (n, k))
+    spec = gemm_specs(m, n, k, tile=TILES["prefill"], red=GemmReduction(64, 1))[0]
+    c = compile_spec(spec, "sm_90", cache_dir=tmp_path)
+    assert c.shared > 48 * 1024
+    xd, wd, yd = dev(x), dev(w), torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    nr = dev(np.array([m], np.int32))
+    torch.cuda.synchronize()  # torch made the primary context current on this thread
+
+    def ok(res):
+        assert res[0] == cu.CUresult.CUDA_SUCCESS, res
+        return res[1] if len(res) > 1 else None
+
+    ok(cu.cuInit(0))
+    fn = ok(cu.cuModuleGetFunction(ok(cu.cuModuleLoadData(c.cubin)), c.name.encode()))
+    ok(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                             c.shared))
+    p64, i32 = ctypes.c_uint64, ctypes.c_int32
+    y = p64(yd.data_ptr())  # also fills the unused bias and split-K workspace slots
+    vals = [p64(xd.data_ptr()), p64(wd.data_ptr()), y, y, y, p64(nr.data_ptr()), i32(m), i32(k), i32(n)]
+    vals += [p64(0)] * c.n_hidden  # hidden scratch pointers: null, their sizes are 0
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    gx, gy, gz = spec.grid
+    ok(cu.cuLaunchKernel(fn, gx, gy, gz, 32 * c.num_warps, 1, 1, c.shared, 0, ctypes.addressof(params), 0))
+    ok(cu.cuCtxSynchronize())
+    assert_close(host(yd), ops.linear(x, w), what="AOT gemm")

@@ -1,0 +1,180 @@
+"""Triton kernels under the interpreter vs graph/ops.py (attention: test_paged_attention.py).
+
+Every input is fresh random (never zeros), storage bf16, tolerances per DESIGN
+(bf16: 1e-2 relative; NaN never passes). The GEMM invariance test is bit-exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.codegen.triton import reference as R
+from kiln.codegen.triton.argmax import argmax
+from kiln.codegen.triton.attention_preamble import attention_preamble
+from kiln.codegen.triton.configs import GemmReduction, GemmTile
+from kiln.codegen.triton.gather import embedding, gather_rows
+from kiln.codegen.triton.gemm import gemm
+from kiln.codegen.triton.rms_norm import add_rms_norm, rms_norm
+from kiln.codegen.triton.silu_mul import silu_mul
+from kiln.graph import ops
+from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+DECODE = GemmTile(block_m=16, block_n=32, num_warps=4, num_stages=4)
+PREFILL = GemmTile(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+@pytest.fixture
+def interpreter():
+    require_interpreter()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+# -- gemm --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias,out_dtype,split", [(True, BF16, 1), (False, np.float32, 1), (True, BF16, 2)])
+def test_gemm_matches_reference(rng, bias, out_dtype, split):
+    m, n, k = 37, 80, 192
+    x, w = rand(rng, (m, k)), rand(rng, (n, k))
+    b = rand(rng, (n,)) if bias else None
+    out = np.empty((m, n), out_dtype)
+    y = gemm(x, w, b, out, tile=PREFILL, red=GemmReduction(block_k=64, split_k=split))
+    ref = ops.linear(x, w, *([b] if bias else []))
+    assert_close(y, ref, what="gemm")
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemm_row_is_invariant_to_batch(rng, split):
+    """Row i alone (M=1, decode tile) and inside M=37 (prefill tile): the same bits,
+    because both reduce K in the same BLOCK_K order with the same split. f32 output,
+    so a reordered sum cannot hide behind the bf16 rounding."""
+    m, n, k = 37, 96, 256
+    x, w, b = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (n,))
+    red = GemmReduction(block_k=64, split_k=split)
+    y = lambda rows: np.empty((rows, n), np.float32)
+    full = gemm(x, w, b, y(m), tile=PREFILL, red=red)
+    for i in (0, 17, 36):
+        one = gemm(x[i:i + 1], w, b, y(1), tile=DECODE, red=red)
+        assert same_bits(one[0], full[i]), f"row {i} differs between M=1 and M=37"
+    assert same_bits(gemm(x, w, b, y(m), tile=DECODE, red=red), full)
+    other = gemm(x, w, b, y(m), tile=PREFILL, red=GemmReduction(block_k=32, split_k=split))
+    assert not same_bits(other, full), "the test cannot see a change of reduction order"
+
+
+def test_gemm_strided_rows_and_padding(rng):
+    """x as a column slice of a wider buffer; rows past n_rows are left untouched."""
+    m, n, k = 40, 48, 64
+    wide = rand(rng, (m, 3 * k))
+    x, w = wide[:, k:2 * k], rand(rng, (n, k))
+    out = np.full((m, n), 7.0, BF16)
+    gemm(x, w, None, out, n_rows=np.array([16], np.int32), tile=DECODE, red=GemmReduction(32, 1))
+    assert_close(out[:16], ops.linear(np.ascontiguousarray(x[:16]), w), what="gemm live rows")
+    assert (f32(out[16:]) == 7.0).all()
+
+
+# -- norms and activation ----------------------------------------------------------------
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(rng, offset):
+    x, w = rand(rng, (9, 136), scale=3.0), rand(rng, (136,))
+    assert_close(rms_norm(x, w, eps=1e-5, offset=offset), ops.rms_norm(x, w, eps=1e-5, offset=offset))
+
+
+def test_rms_norm_per_head_on_a_strided_view(rng):
+    """q/k norm: [T, heads, D] rows of D, q being a view into a fused qkv buffer."""
+    t, h, d = 5, 3, 64
+    qkv = rand(rng, (t, (h + 2) * d))
+    q, w = qkv[:, :h * d].reshape(t, h, d), rand(rng, (d,))
+    assert_close(rms_norm(q, w, eps=1e-6), ops.rms_norm(np.ascontiguousarray(q), w, eps=1e-6))
+
+
+def test_add_rms_norm_in_place(rng):
+    x, res, w = rand(rng, (6, 200)), rand(rng, (6, 200)), rand(rng, (200,))
+    ref_y, ref_s = ops.add_rms_norm(x, res, w, eps=1e-6)
+    y, s = add_rms_norm(x, res, w, res_out=res, eps=1e-6)
+    assert s is res
+    assert_close(y, ref_y, what="normed")
+    assert same_bits(s, ref_s)  # one rounding of an f32 sum: exact
+
+
+def test_silu_mul_on_gate_up_halves(rng):
+    t, i = 7, 300
+    gate_up = rand(rng, (t, 2 * i), scale=2.0)
+    gate, up = gate_up[:, :i], gate_up[:, i:]
+    assert_close(silu_mul(gate, up), ops.silu_mul(np.ascontiguousarray(gate), np.ascontiguousarray(up)))
+
+
+# -- gathers and argmax ------------------------------------------------------------------
+
+def test_embedding_and_gather_rows(rng):
+    table = rand(rng, (50, 72))
+    ids = rng.integers(0, 50, 11).astype(np.int32)
+    assert same_bits(embedding(ids, table), ops.embedding(ids, table))
+    h = rand(rng, (11, 72))
+    idx = np.array([10, 3, -1], np.int32)  # -1: a padded logits row
+    got = gather_rows(h, idx)
+    assert same_bits(got[:2], ops.gather_rows(h, idx[:2]))
+    assert (f32(got[2]) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_argmax_ties_to_lowest_index(rng, dtype):
+    logits = rand(rng, (5, 3000), dtype)
+    logits[1, [7, 1500, 2999]] = 50  # a tie across chunks
+    logits[2, [1024, 1025]] = 50  # a tie inside a chunk
+    logits[3, 2999] = 60  # the last column
+    got = argmax(logits)
+    assert got.tolist() == np.argmax(f32(logits), axis=1).tolist()
+    assert got[1] == 7 and got[2] == 1024 and got[3] == 2999
+
+
+# -- attention preamble ------------------------------------------------------------------
+
+@pytest.mark.parametrize("is_neox,rot,qk_norm,offset", [
+    (True, 64, False, 0.0),    # Llama: full rotary, neox
+    (False, 32, True, 0.0),    # gpt-j pairs, partial rotary, Qwen3 q/k norm
+    (True, 16, True, 1.0),     # partial rotary, (1 + w) norm
+])
+def test_attention_preamble(rng, is_neox, rot, qk_norm, offset):
+    t, h, hkv, d, bs, nb, max_pos = 7, 4, 2, 64, 4, 10, 64
+    qkv = rand(rng, (t, (h + 2 * hkv) * d), scale=2.0)  # one fused projection, three views
+    q = qkv[:, :h * d].reshape(t, h, d)
+    k = qkv[:, h * d:(h + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (h + hkv) * d:].reshape(t, hkv, d)
+    pos = rng.integers(0, max_pos, t).astype(np.int32)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    slots[3] = -1  # padding writes nothing
+    cache = rand(rng, (nb, 2, bs, hkv, d))
+    ref_cache = cache.copy()
+    qw, kw = (rand(rng, (d,)), rand(rng, (d,))) if qk_norm else (None, None)
+    cos, sin = R.rope_tables(rot, 10000.0, (), max_pos)
+    q_out = attention_preamble(q, k, v, cache, pos, slots, cos, sin, qw, kw, is_neox=is_neox, offset=offset)
+    cont = np.ascontiguousarray
+    ref_q, ref_cache = R.attention_preamble(cont(q), cont(k), cont(v), ref_cache, pos, slots, qw, kw,
+                                            offset=offset, theta=10000.0, rotary_dim=rot, is_neox=is_neox,
+                                            max_position=max_pos)
+    assert_close(q_out, ref_q, what="rotated q")
+    assert_close(cache, ref_cache, what="cache")
+    untouched = np.ones(nb * bs, bool)
+    untouched[slots[slots >= 0]] = False
+    flat, ref_flat = cache.transpose(0, 2, 1, 3, 4).reshape(nb * bs, -1), ref_cache.transpose(0, 2, 1, 3, 4)
+    assert same_bits(flat[untouched], ref_flat.reshape(nb * bs, -1)[untouched])  # incl. slot -1's row
+
+
+def test_rope_tables_match_ops_rope(rng):
+    """A table row is exactly what ops.rope uses for that position (llama3 scaling)."""
+    scaling = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+               ("original_max_position_embeddings", 64), ("rope_type", "llama3"))
+    cos, sin = R.rope_tables(32, 500000.0, scaling, 256)
+    x = rand(rng, (3, 1, 32))
+    pos = np.array([0, 77, 255], np.int32)
+    got = ops.rope(x, pos, theta=500000.0, rotary_dim=32, scaling=scaling, max_position=256)
+    xf = f32(x)[:, 0]
+    c, s = cos[pos], sin[pos]
+    want = np.concatenate([xf[:, :16] * c - xf[:, 16:] * s, xf[:, 16:] * c + xf[:, :16] * s], axis=1)
+    assert same_bits(got[:, 0], want.astype(BF16))
