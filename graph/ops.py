@@ -43,16 +43,18 @@ def _infer_linear(ins, attrs):
     x, w = ins[0], ins[1]
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: x has K={x.shape[-1]}, weight {w.name} has K={w.shape[1]}")
-    return [(x.dtype, (*x.shape[:-1], w.shape[0]))]
+    out = DType(attrs["out_dtype"]) if attrs.get("out_dtype") else x.dtype
+    return [(out, (*x.shape[:-1], w.shape[0]))]
 
 
 @OPS.register("linear", inputs=(2, 3), infer=_infer_linear)
-def linear(x, w, bias=None):
-    """x: [..., K], w: [N, K] (the HF layout), bias: [N] -> [..., N]"""
+def linear(x, w, bias=None, *, out_dtype=None):
+    """x: [..., K], w: [N, K] (the HF layout), bias: [N] -> [..., N]; out_dtype
+    (e.g. f32 logits from bf16 operands) stores the f32 accumulator without rounding to x's dtype."""
     y = x.astype(_f32, copy=False) @ w.astype(_f32, copy=False).T
     if bias is not None:
         y += bias.astype(_f32, copy=False)
-    return _as(y, x)
+    return y.astype(to_numpy(DType(out_dtype))) if out_dtype else _as(y, x)
 
 
 @OPS.register("gather_rows", inputs=2,
@@ -207,3 +209,24 @@ def add_rms_norm(x, residual, w, *, eps: float, offset: float = 0.0):
     returns the new residual stream next to the normalised activation."""
     s = add(x, residual)
     return rms_norm(s, w, eps=eps, offset=offset), s
+
+
+def _infer_preamble(ins, attrs):
+    return [(ins[0].dtype, ins[0].shape), (ins[3].dtype, ins[3].shape)]
+
+
+@OPS.register("attention_preamble", inputs=(6, 8), inplace={1: 3}, infer=_infer_preamble)
+def attention_preamble(q, k, v, cache, positions, slot_mapping, q_norm_w=None, k_norm_w=None, *,
+                       eps: float = 1e-6, offset: float = 0.0, theta: float, rotary_dim: int,
+                       is_neox: bool = True, scaling: tuple = (), max_position: int = 2048):
+    """q: [T, H, D], k, v: [T, Hkv, D], cache: [NB, 2, BS, Hkv, D] (written in place),
+    positions, slot_mapping: i32[T]; q_norm_w, k_norm_w: [D] or None (both or neither).
+    -> (rotated q, cache). By definition the composition of the ops it replaces:
+    per-head q/k rms_norm (Qwen3), rope on q and k, cache_write."""
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("attention_preamble: q and k norm weights come together")
+    if q_norm_w is not None:
+        q = rms_norm(q, q_norm_w, eps=eps, offset=offset)
+        k = rms_norm(k, k_norm_w, eps=eps, offset=offset)
+    r = dict(theta=theta, rotary_dim=rotary_dim, is_neox=is_neox, scaling=tuple(scaling), max_position=max_position)
+    return rope(q, positions, **r), cache_write(rope(k, positions, **r), v, cache, slot_mapping)

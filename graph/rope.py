@@ -80,3 +80,15 @@ def _yarn(dim: int, base: float, p: Mapping[str, Any], max_pos: int) -> tuple[np
     inv_inter = 1.0 / (np.float32(factor) * pos_freqs)
     inv_freq = inv_inter * (1 - extrapolation_weight) + inv_extra * extrapolation_weight
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_tables(rotary_dim: int, theta: float, scaling: tuple = (), max_position: int = 2048
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """-> (cos, sin): f32[max_position, rotary_dim // 2], the buffers GPU kernels read.
+    Same float32 arithmetic as ops.rope (f32 positions times inv_freq, times the yarn
+    attention factor), so a row equals what ops.rope computes at that position."""
+    inv_freq, attn_factor = rope_parameters(rotary_dim, theta, dict(scaling), max_position)
+    ang = np.arange(max_position, dtype=np.int32).astype(np.float32)[:, None] * inv_freq[None, :]
+    cos = (np.cos(ang) * np.float32(attn_factor)).astype(np.float32)
+    sin = (np.sin(ang) * np.float32(attn_factor)).astype(np.float32)
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)

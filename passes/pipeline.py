@@ -12,14 +12,20 @@ from kiln.graph import Graph
 from kiln.passes.base import Pass
 from kiln.passes.eliminate_dead_code import EliminateDeadCode
 from kiln.passes.fuse_add_rmsnorm import FuseAddRmsNorm
+from kiln.passes.fold_cast_into_linear import FoldCastIntoLinear
+from kiln.passes.fuse_attention_preamble import FuseAttentionPreamble
 from kiln.passes.fuse_silu_mul import FuseSiluMul
+from kiln.passes.sink_logits_gather import SinkLogitsGather
 
 
 def default_passes() -> list[Pass]:
     return [
         EliminateDeadCode(),
+        SinkLogitsGather(),
         FuseAddRmsNorm(),
         FuseSiluMul(),
+        FuseAttentionPreamble(),
+        FoldCastIntoLinear(),
         EliminateDeadCode(),
     ]
 
