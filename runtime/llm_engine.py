@@ -102,28 +102,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
         now = time.monotonic()
+        # Timing of every request that sampled this step, FINAL_ONLY ones included (they return no output yet).
+        states = self.output_processor.states
+        sampled = [states[o.request_id].metrics for o in core_outputs if o.new_token_ids and o.request_id in states]
         outputs, to_abort = self.output_processor.process_outputs(core_outputs, now)
         if to_abort:  # stop strings finished these: free their blocks now
             self.core.abort_requests(to_abort)
-        self._log_stats(core_outputs, outputs)
+        self._log_stats(core_outputs, outputs, sampled)
         for ro in outputs:
             if ro.finished:
                 self._max_tokens.pop(ro.request_id, None)
         return outputs
 
-    def _log_stats(self, core_outputs: list, outputs: list[RequestOutput]) -> None:
+    def _log_stats(self, core_outputs: list, outputs: list[RequestOutput], sampled: list) -> None:
         it = IterationStats(num_scheduled_tokens=self.core.last_step_tokens)
         it.num_generation_tokens = sum(len(o.new_token_ids) for o in core_outputs)
         it.num_prompt_tokens = max(self.core.last_step_tokens - it.num_generation_tokens, 0)
-        for ro in outputs:
-            m = ro.metrics
-            if m is None:
-                continue
-            if m.num_generation_tokens and len(m.token_times) == 1 and m.ttft is not None:
+        for m in sampled:
+            if len(m.token_times) == 1:
                 it.time_to_first_tokens.append(m.ttft)
             elif len(m.token_times) >= 2:
                 it.inter_token_latencies.append(m.token_times[-1] - m.token_times[-2])
-            if ro.finished:
+        for ro in outputs:
+            if ro.metrics is not None and ro.finished:
                 it.finished_requests.extend(finished_stats(ro, self._max_tokens.get(ro.request_id)))
         sched = self.core.make_stats()
         for logger in self.stat_loggers:

@@ -1,0 +1,85 @@
+"""Run the app on a socket: `python build.py serve` and in-process test servers.
+
+The engine loads first (blocking, timed), then the app listens; SIGINT/SIGTERM stop
+the listener, close connections and shut the engine down. Port 0 takes a free port
+from the OS; the port actually bound is printed and returned.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import tornado.httpserver
+import tornado.netutil
+
+from kiln.errors import KilnError
+from kiln.server.app import make_app
+from kiln.server.state import ServerConfig
+
+# Tornado reads (and drops) bodies up to this size even when the app refuses them with 413,
+# so a client that sends its whole body before reading still gets the answer; past it the
+# connection closes mid-upload.
+MIN_BODY_DRAIN_BYTES = 64 << 20
+
+
+@dataclass
+class ListeningServer:
+    http_server: tornado.httpserver.HTTPServer
+    port: int
+    host: str
+
+    async def close(self) -> None:
+        self.http_server.stop()
+        await self.http_server.close_all_connections()
+
+
+def listen(app, config: ServerConfig, host: str, port: int) -> ListeningServer:
+    """Bind and start serving on the running event loop."""
+    sockets = tornado.netutil.bind_sockets(port, host)
+    server = tornado.httpserver.HTTPServer(app, max_body_size=max(4 * config.max_body_bytes, MIN_BODY_DRAIN_BYTES),
+                                           idle_connection_timeout=3600)
+    server.add_sockets(sockets)
+    return ListeningServer(server, sockets[0].getsockname()[1], host)
+
+
+async def serve(engine, config: ServerConfig, host: str, port: int, *, load_seconds: float = 0.0,
+                stop: Optional[asyncio.Event] = None) -> None:
+    """Serve until `stop` is set or SIGINT/SIGTERM arrives."""
+    app = make_app(engine, config)
+    try:
+        srv = listen(app, config, host, port)
+    except OSError as e:
+        engine.shutdown()
+        raise KilnError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    print(f"[kiln] serving {', '.join(config.served_model_names)} on http://{host}:{srv.port} "
+          f"(model loaded in {load_seconds:.1f} s; max_model_len {engine.max_model_len})", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await srv.close()
+        engine.shutdown()
+    print("[kiln] server stopped", file=sys.stderr, flush=True)
+
+
+def run_server(args, config: ServerConfig, host: str, port: int) -> int:
+    """Load the model named by EngineArgs `args`, then serve (blocking)."""
+    from kiln.runtime.async_llm import AsyncLLM
+
+    # Warnings and errors (4xx/5xx access lines, engine failures) to stderr; 2xx stay quiet.
+    logging.basicConfig(level=logging.WARNING, format="[kiln] %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(args)
+    load_s = time.perf_counter() - t0
+    asyncio.run(serve(engine, config, host, port, load_seconds=load_s))
+    return 0

@@ -1,0 +1,81 @@
+"""`build.py serve`: its flags, and turning them into EngineArgs and a ServerConfig.
+
+Kept free of heavy imports so that building the parser for any build.py command
+stays fast; the server itself is imported only when `serve` runs.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (the one chosen is printed)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints")
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: the model path)")
+    p.add_argument("--max-model-len", type=_positive)
+    p.add_argument("--max-num-seqs", type=_positive, default=256)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--chat-template", help="a Jinja chat template file (overrides the tokenizer's)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, as if stream_options.include_usage were set")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--kv-cache-tokens", type=_positive,
+                   help="KV cache size in tokens (default: 65536 on CPU, what free memory holds on a GPU)")
+    p.add_argument("--target", default="cpu", choices=("cpu", "sm_90", "sm_121"),
+                   help="cpu (numpy) or the GPU arch to compile for")
+    p.add_argument("--bundle", help="GPU bundle directory (compiled there when missing or stale)")
+    p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """A template file's text; text that already is a template passes as is (as vLLM)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise KilnError(f"cannot read chat template {path}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise KilnError(f"chat template file {value} does not exist")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kiln.runtime.llm import EngineArgs
+    from kiln.server.api_server import run_server
+    from kiln.server.state import ServerConfig
+
+    if not 0 <= args.port <= 65535:
+        raise KilnError(f"--port must be in [0, 65535], got {args.port}")
+    template = read_chat_template(args.chat_template)
+    if args.model is None:
+        from kiln.build import default_model_path
+
+        root, default_name = str(default_model_path()), "SmolLM2-135M-Instruct"
+    else:
+        root = default_name = args.model
+    engine_args = EngineArgs(
+        model=root, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy, kv_cache_tokens=args.kv_cache_tokens, chat_template=template,
+        target=args.target, bundle_dir=args.bundle)
+    config = ServerConfig(
+        served_model_names=tuple(args.served_model_name or [default_name]), model_root=root,
+        api_key=args.api_key, chat_template=template, enable_force_include_usage=args.enable_force_include_usage,
+        max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy)
+    return run_server(engine_args, config, args.host, args.port)

@@ -1,0 +1,221 @@
+"""What the completion and chat handlers share (vLLM: serving_engine.py OpenAIServing):
+model and length checks, SamplingParams, handing requests to the AsyncLLM and
+reading their outputs back, Server-Sent Events, usage, and aborting the requests
+of a client that went away.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from tornado.iostream import StreamClosedError
+
+from kiln.runtime.async_llm import EngineDeadError
+from kiln.runtime.outputs import OutputKind, RequestOutput
+from kiln.runtime.output_collector import RequestOutputCollector
+from kiln.runtime.sampling_params import InvalidSamplingParamsError, SamplingParams
+from kiln.server.base_handler import BaseHandler
+from kiln.server.errors import APIError, bad_request
+from kiln.server.protocol import BaseRequest
+
+logger = logging.getLogger("kiln.server")
+
+
+class ClientGone(Exception):
+    """The client closed the connection; stop producing its response."""
+
+
+class OpenAIServingHandler(BaseHandler):
+    requires_auth = True
+
+    def initialize(self, state) -> None:
+        super().initialize(state)
+        self.created = int(time.time())
+        self._request_ids: list[str] = []
+
+    # ------------------------------------------------------------ checks
+
+    def check_model_name(self, name: Optional[str]) -> None:
+        if name is not None and name not in self.state.config.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_request(self, req: BaseRequest) -> None:
+        self.check_model_name(req.model)
+        if req.priority != 0 and self.state.config.scheduling_policy != "priority":
+            raise bad_request("priority is only accepted when the server runs with --scheduling-policy priority.",
+                              "priority")
+        if self.state.engine.errored:
+            raise APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
+
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, param: str) -> list[int]:
+        engine = self.state.engine
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise bad_request("This model was loaded without a tokenizer; send token ids.", param)
+            ids = engine.encode(prompt, add_special_tokens=add_special_tokens)
+            if not ids:
+                raise bad_request(f"{param} is empty.", param)
+            return ids
+        bad = [t for t in prompt if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise bad_request(f"{param} holds token ids outside the vocabulary [0, {engine.vocab_size}): "
+                              f"{bad[:5]}.", param)
+        return list(prompt)
+
+    def max_tokens_for(self, num_prompt: int, req: BaseRequest, prompt_param: str,
+                       default: Optional[int] = None) -> Optional[int]:
+        """The max_tokens to run with; a prompt that leaves no room, or an explicit max_tokens
+        past the context, is a 400 stating the numbers (vLLM _validate_input)."""
+        limit = self.state.engine.max_model_len
+        if num_prompt >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
+                              f"{num_prompt} input tokens. Please reduce the length of the input.",
+                              prompt_param, code="context_length_exceeded")
+        if req.max_tokens is not None:
+            if num_prompt + req.max_tokens > limit:
+                raise bad_request(f"{req.max_tokens_param} is too large: {req.max_tokens}. This model's maximum "
+                                  f"context length is {limit} tokens and your request has {num_prompt} input "
+                                  f"tokens ({req.max_tokens} > {limit} - {num_prompt}).",
+                                  req.max_tokens_param, code="context_length_exceeded")
+            return req.max_tokens
+        return None if default is None else min(default, limit - num_prompt)
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Checks the engine would otherwise make inside a step, where a failure is the engine's."""
+        engine = self.state.engine
+        try:
+            params.verify(engine.vocab_size)
+            if params.bad_words:
+                if engine.tokenizer is None:
+                    raise bad_request("bad_words needs a tokenizer.", "bad_words")
+                params.tokenize_bad_words(lambda s: engine.encode(s, add_special_tokens=False), engine.vocab_size)
+        except InvalidSamplingParamsError as e:
+            raise bad_request(str(e), e.field) from None
+        return params
+
+    def new_request_id(self, prefix: str, req: BaseRequest) -> str:
+        return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
+
+    # ------------------------------------------------------------ engine
+
+    async def submit(self, request_ids: Sequence[str], prompts: Sequence[list[int]],
+                     params: Sequence[SamplingParams], *, stream: bool, priority: int = 0
+                     ) -> list[RequestOutputCollector]:
+        """Queue one engine request per prompt; a disconnect from here on aborts them all."""
+        engine = self.state.engine
+        self._request_ids = list(request_ids)
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        collectors = []
+        try:
+            for rid, ids, sp in zip(request_ids, prompts, params):
+                collectors.append(await engine.add_request(rid, ids, sp, output_kind=kind, priority=priority))
+        except BaseException as e:
+            engine.abort_nowait(self._request_ids)
+            raise engine_error(e) from None
+        # Registered once all are queued: a client gone already (or while queueing) aborts them now.
+        self.on_close(lambda: engine.abort_nowait(self._request_ids))
+        return collectors
+
+    async def outputs(self, collectors: list[RequestOutputCollector]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, from every collector, until all finish.
+        Ends early (without error) once the client has gone and the requests were aborted;
+        an engine failure raises the APIError a client should see."""
+        if len(collectors) == 1:
+            while True:
+                try:
+                    ro = await collectors[0].get()
+                except Exception as e:
+                    raise engine_error(e) from None
+                if ro is None:
+                    return
+                yield 0, ro
+                if ro.finished:
+                    return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, c: RequestOutputCollector) -> None:
+            try:
+                while (ro := await c.get()) is not None:
+                    queue.put_nowait((i, ro, None))
+                    if ro.finished:
+                        break
+            except Exception as e:  # the engine died: hand the error to the reader
+                queue.put_nowait((i, None, e))
+            queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(collectors)]
+        try:
+            live = len(tasks)
+            while live:
+                i, ro, err = await queue.get()
+                if err is not None:
+                    raise engine_error(err) from None
+                if ro is None:
+                    live -= 1
+                    continue
+                yield i, ro
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ------------------------------------------------------------ Server-Sent Events
+
+    def start_stream(self) -> None:
+        self.set_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.set_header("Cache-Control", "no-cache")
+        self.set_header("X-Accel-Buffering", "no")
+
+    async def send_event(self, data: Any) -> None:
+        if self.client_gone:
+            raise ClientGone()
+        payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        self.write(f"data: {payload}\n\n")
+        try:
+            await self.flush()
+        except StreamClosedError:
+            self.client_gone = True
+            self.state.engine.abort_nowait(self._request_ids)
+            raise ClientGone() from None
+
+    async def run_stream(self, events: AsyncIterator[Any]) -> None:
+        """Send each event, then [DONE]; an error after the first byte goes out as an error event."""
+        self.start_stream()
+        try:
+            try:
+                async for event in events:
+                    await self.send_event(event)
+            except ClientGone:
+                raise
+            except Exception as e:
+                await self.send_event(engine_error(e).body())
+            await self.send_event("[DONE]")
+        except ClientGone:
+            return
+        finally:
+            await events.aclose()  # stops the fan-in tasks now, not when the generator is collected
+        if not self.client_gone:
+            self.finish()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def engine_error(e: BaseException) -> BaseException:
+    """An exception from the engine as the APIError a client should see."""
+    if isinstance(e, APIError) or isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
+    if isinstance(e, InvalidSamplingParamsError):
+        return bad_request(str(e), e.field)
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    logger.error("request failed", exc_info=(type(e), e, e.__traceback__))
+    return APIError(500, "Internal server error; the server log has the details.")

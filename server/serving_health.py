@@ -1,0 +1,20 @@
+"""GET /health (200 while the engine loop lives, 503 once it has died) and GET /version."""
+from __future__ import annotations
+
+import kiln
+from kiln.server.base_handler import BaseHandler
+from kiln.server.errors import APIError
+
+
+class HealthHandler(BaseHandler):
+    async def get(self) -> None:
+        engine = self.state.engine
+        if not engine.is_running:
+            raise APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
+        self.set_status(200)
+        self.finish()
+
+
+class VersionHandler(BaseHandler):
+    def get(self) -> None:
+        self.write_json({"version": kiln.__version__})
