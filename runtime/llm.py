@@ -33,7 +33,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     block_size: int = 16
-    kv_cache_tokens: int = 65536  # CPU: KV cache size in tokens (the GPU path sizes it from free memory)
+    kv_cache_tokens: Optional[int] = None  # KV cache size in tokens; None: 65536 on CPU, free memory on GPU
+    target: str = "cpu"  # "cpu" (numpy) or a GPU arch: "sm_90", "sm_121"
+    bundle_dir: Optional[str] = None  # where a GPU bundle is cached (reused when it matches)
     seed: Optional[int] = 0
     skip_tokenizer_init: bool = False
     chat_template: Optional[str] = None
@@ -43,8 +45,11 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     """-> (engine, the loaded model) for the CPU target."""
     from kiln.build import load  # build-time work: see the module docstring
 
-    lm = load(args.model, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
-              tokenizer=not args.skip_tokenizer_init)
+    kv_tokens = args.kv_cache_tokens if args.kv_cache_tokens or args.target != "cpu" else 65536
+    lm = load(args.model, target=args.target, block_size=args.block_size, kv_cache_tokens=kv_tokens,
+              tokenizer=not args.skip_tokenizer_init, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              bundle_dir=args.bundle_dir)
     cfg = lm.source.config
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     sched_cfg = SchedulerConfig(
@@ -52,7 +57,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy)
     kv_cfg = full_attention_config(lm.executor.num_blocks, args.block_size, cfg.num_key_value_heads,
-                                   cfg.head_dim, "f32")
+                                   cfg.head_dim, "f32" if args.target == "cpu" else "bf16")
     scheduler = Scheduler(sched_cfg, kv_cfg, CacheConfig(args.block_size, args.enable_prefix_caching))
     tok = lm.tokenizer
     eos = sorted(tok.eos_token_ids) if tok is not None else []

@@ -10,6 +10,8 @@ and dtype (GPU). Torch tensors also work where tests have them.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -196,6 +198,22 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+# While set, launch() records (spec, args) instead of running: codegen/lower.py drives the
+# wrappers with symbolic device pointers to build a bundle's launch plan.
+_RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar("kiln_launch_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """with recording() as launches: ...  -> launches: [(KernelSpec, args)] in order."""
+    launches: list = []
+    token = _RECORDER.set(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDER.reset(token)
+
+
 def launch(spec: KernelSpec, args: Sequence[Any]) -> None:
     """Run `spec` with positional non-constexpr `args` (Bufs, torch tensors, ints, floats).
 
@@ -205,6 +223,10 @@ def launch(spec: KernelSpec, args: Sequence[Any]) -> None:
     """
     check(len(args) == len(spec.signature),
           f"{spec.kernel}: {len(args)} args for a signature of {len(spec.signature)}")
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        recorder.append((spec, list(args)))
+        return
     interpret = interpreting()
     for a in args:
         if hasattr(a, "data_ptr") and is_host(a) != interpret:

@@ -1,0 +1,228 @@
+"""Lower a fused step graph to launch plans, one per shape bucket.
+
+The kernel wrappers of codegen/triton are driven with *symbolic* device
+pointers under launch.recording(): every buffer is `(region << 44) + offset`,
+so each recorded launch holds its kernel spec, grid and arguments exactly as the
+wrapper computed them, and the runtime relocates pointers once at load by
+adding each region's base. Regions: the activation arena (plan_memory), the
+step-input block (one layout per bucket), split-K and split-KV workspaces, each
+weight, each state tensor (KV cache per layer), each constant (RoPE tables).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.codegen.buckets import Bucket
+from kiln.codegen.triton import attention_preamble as k_pre
+from kiln.codegen.triton import gather as k_gather
+from kiln.codegen.triton import gemm as k_gemm
+from kiln.codegen.triton import paged_attention_launch as k_attn
+from kiln.codegen.triton import rms_norm as k_norm
+from kiln.codegen.triton import silu_mul as k_silu
+from kiln.codegen.triton.configs import DEFAULT, Configs
+from kiln.codegen.triton.launch import Buf, KernelSpec, recording
+from kiln.graph import Graph, TensorKind, to_numpy
+from kiln.graph.rope import rope_tables
+from kiln.passes.plan_memory import MemoryPlan
+
+REGION_SHIFT = 44
+ALIGN = 256
+STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "query_start_loc",
+               "logits_indices", "num_logits")
+
+
+class LoweringError(ValueError):
+    pass
+
+
+@dataclass
+class Regions:
+    """Named device allocations a plan points into; index = position in `names`."""
+    names: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)  # bytes, for regions the runtime allocates
+    consts: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def ptr(self, name: str, offset: int = 0) -> int:
+        if name not in self.names:
+            self.names.append(name)
+        return (self.names.index(name) << REGION_SHIFT) + offset
+
+    def need(self, name: str, nbytes: int) -> None:
+        self.sizes[name] = max(self.sizes.get(name, 0), int(nbytes))
+
+
+def input_layout(bucket: Bucket, mb: int) -> dict[str, tuple[int, str, tuple[int, ...]]]:
+    """name -> (byte offset, dtype, shape) of the step inputs of this bucket; all i32."""
+    t, s, l_ = bucket.tokens, bucket.seqs, bucket.logits
+    shapes = {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "block_table": (s, mb),
+              "seq_lens": (s,), "query_start_loc": (s + 1,), "logits_indices": (l_,), "num_logits": (1,)}
+    out, off = {}, 0
+    for name in STEP_INPUTS:
+        out[name] = (off, "i32", shapes[name])
+        off += -(-4 * int(np.prod(shapes[name])) // ALIGN) * ALIGN
+    return out
+
+
+def input_bytes(bucket: Bucket, mb: int) -> int:
+    lay = input_layout(bucket, mb)
+    off, _, shape = lay[STEP_INPUTS[-1]]
+    return off + 4 * int(np.prod(shape))
+
+
+class _Lowerer:
+    def __init__(self, graph: Graph, plan: MemoryPlan, bucket: Bucket, mb: int, regions: Regions,
+                 configs: Configs, arch: str, max_model_len: int) -> None:
+        self.g, self.plan, self.bucket, self.regions = graph, plan, bucket, regions
+        self.configs, self.arch, self.max_model_len = configs, arch, max_model_len
+        self.dims = bucket.dims(mb)
+        self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
+        self.layout = input_layout(bucket, mb)
+        regions.need("inputs", input_bytes(bucket, mb))
+
+    def state_root(self, name: str) -> str:
+        """A state tensor's original name (an updated cache aliases the cache it updated)."""
+        while True:
+            node = self.g.producer(name)
+            if node is None:
+                return name
+            out_idx = node.outputs.index(name)
+            name = node.inputs[self.g.registry[node.op].inplace[out_idx]]
+
+    def buf(self, name: str) -> Buf:
+        t = self.g.tensors[name]
+        shape, dtype = t.concrete_shape(self.dims), to_numpy(t.dtype)
+        if t.kind == TensorKind.INPUT:
+            off, _, lshape = self.layout[name]
+            return Buf(ptr=self.regions.ptr("inputs", off), shape=lshape, dtype=np.int32)
+        if t.kind == TensorKind.WEIGHT:
+            return Buf(ptr=self.regions.ptr(f"weight:{name}"), shape=shape, dtype=dtype)
+        if t.kind == TensorKind.STATE:
+            return Buf(ptr=self.regions.ptr(f"state:{self.state_root(name)}"), shape=shape, dtype=dtype)
+        return Buf(ptr=self.regions.ptr("arena", self.plan.offsets[name]), shape=shape, dtype=dtype)
+
+    def n_rows(self, name: str) -> Buf:
+        """Device scalar holding the live rows of a [T, ...] or [L, ...] tensor."""
+        lead = self.g.tensors[name].shape[0]
+        if lead == "T":  # &query_start_loc[S]: padded sequences repeat the last offset
+            off = self.layout["query_start_loc"][0] + 4 * self.bucket.seqs
+        elif lead == "L":
+            off = self.layout["num_logits"][0]
+        else:
+            raise LoweringError(f"no live-row count for a tensor led by {lead!r} ({name})")
+        return Buf(ptr=self.regions.ptr("inputs", off), shape=(1,), dtype=np.int32)
+
+    def const(self, key: str, make) -> Buf:
+        if key not in self.regions.consts:
+            self.regions.consts[key] = make()
+        arr = self.regions.consts[key]
+        return Buf(ptr=self.regions.ptr(f"const:{key}"), shape=arr.shape, dtype=arr.dtype)
+
+    def workspace(self, name: str, shape: tuple[int, ...]) -> Buf:
+        self.regions.need(name, 4 * int(np.prod(shape)))
+        return Buf(ptr=self.regions.ptr(name), shape=shape, dtype=np.float32)
+
+    def lower(self) -> list[tuple[KernelSpec, list[Any]]]:
+        with recording() as launches:
+            for node in self.g.topo_order():
+                fn = getattr(self, f"op_{node.op}", None)
+                if fn is None:
+                    raise LoweringError(f"no GPU kernel for op {node.op!r} (node {node.name})")
+                fn(node)
+        return launches
+
+    # -- one method per op -------------------------------------------------------------
+    def op_reshape(self, node) -> None:  # a view: plan_memory gave it its source's bytes
+        pass
+
+    def op_embedding(self, node) -> None:
+        ids, table = node.inputs
+        k_gather.embedding(self.buf(ids), self.buf(table), self.buf(node.outputs[0]),
+                           n_rows=self.n_rows(node.outputs[0]), configs=self.configs)
+
+    def op_gather_rows(self, node) -> None:
+        x, idx = node.inputs
+        k_gather.gather_rows(self.buf(x), self.buf(idx), self.buf(node.outputs[0]),
+                             n_rows=self.n_rows(node.outputs[0]), configs=self.configs)
+
+    def op_linear(self, node) -> None:
+        x, w = node.inputs[0], node.inputs[1]
+        bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+        out = self.buf(node.outputs[0])
+        n, k = self.g.tensors[w].shape
+        red = self.configs.gemm_reduction(n, k)
+        ws = self.workspace("gemm_ws", (red.split_k, out.shape[0], n)) if red.split_k > 1 else None
+        k_gemm.gemm(self.buf(x), self.buf(w), self.buf(bias) if bias else None, out,
+                    n_rows=self.n_rows(node.outputs[0]), workspace=ws, red=red, configs=self.configs, arch=self.arch)
+
+    def op_rms_norm(self, node) -> None:
+        x, w = node.inputs
+        k_norm.rms_norm(self.buf(x), self.buf(w), self.buf(node.outputs[0]), eps=node.attrs["eps"],
+                        offset=node.attrs.get("offset", 0.0), n_rows=self.n_rows(x), configs=self.configs)
+
+    def op_add_rms_norm(self, node) -> None:
+        x, res, w = node.inputs
+        k_norm.add_rms_norm(self.buf(x), self.buf(res), self.buf(w), self.buf(node.outputs[0]),
+                            self.buf(node.outputs[1]), eps=node.attrs["eps"], offset=node.attrs.get("offset", 0.0),
+                            n_rows=self.n_rows(x), configs=self.configs)
+
+    def op_silu_mul(self, node) -> None:
+        gate, up = node.inputs
+        k_silu.silu_mul(self.buf(gate), self.buf(up), self.buf(node.outputs[0]), n_rows=self.n_rows(gate),
+                        configs=self.configs)
+
+    def op_attention_preamble(self, node) -> None:
+        q, k, v, cache, pos, slots = node.inputs[:6]
+        qw, kw = (node.inputs[6], node.inputs[7]) if len(node.inputs) > 6 else (None, None)
+        a = node.attrs
+        max_pos = min(a["max_position"], self.max_model_len)
+        digest = hashlib.sha256(repr((a["rotary_dim"], a["theta"], tuple(a["scaling"]), max_pos)).encode())
+        key = f"rope_{digest.hexdigest()[:12]}"
+        tables = {}
+
+        def make(i):
+            if "t" not in tables:
+                tables["t"] = rope_tables(a["rotary_dim"], a["theta"], tuple(a["scaling"]), max_pos)
+            return tables["t"][i]
+        cos, sin = self.const(key + "_cos", lambda: make(0)), self.const(key + "_sin", lambda: make(1))
+        k_pre.attention_preamble(self.buf(q), self.buf(k), self.buf(v), self.buf(cache), self.buf(pos),
+                                 self.buf(slots), cos, sin, self.buf(qw) if qw else None,
+                                 self.buf(kw) if kw else None, self.buf(node.outputs[0]),
+                                 eps=a.get("eps", 1e-6), offset=a.get("offset", 0.0), is_neox=a["is_neox"],
+                                 n_rows=self.n_rows(q), configs=self.configs)
+
+    def op_paged_attention(self, node) -> None:
+        q, cache, bt, sl, qsl = node.inputs
+        out = self.buf(node.outputs[0])
+        t, h, d = out.shape
+        split = self.bucket.decode
+        ws = None
+        if split:
+            cfg = self.configs.attention(h, self.g.tensors[cache].shape[3], d)
+            segs = -(-self.max_model_len // cfg.seg)
+            ws = (self.workspace("attn_ws_acc", (t, segs, h, d)), self.workspace("attn_ws_ml", (t, segs, h, 2)))
+        k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,
+                               scale=node.attrs["scale"], sliding_window=node.attrs.get("sliding_window", 0),
+                               split=split, max_model_len=self.max_model_len, positions=self.buf("positions"),
+                               workspace=ws, configs=self.configs)
+
+
+def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,
+                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90"):
+    """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`."""
+    return _Lowerer(graph, plan, bucket, max_blocks_per_seq, regions, configs, arch, max_model_len).lower()
+
+
+def encode_args(spec: KernelSpec, args: list[Any]) -> list[Any]:
+    """Plan JSON: pointers as [region, offset], scalars as numbers (types from the signature)."""
+    out = []
+    for (name, ty), a in zip(spec.signature.items(), args):
+        if ty.startswith("*"):
+            p = a.data_ptr()
+            out.append([p >> REGION_SHIFT, p & ((1 << REGION_SHIFT) - 1)])
+        else:
+            out.append(float(a) if ty.startswith("fp") else int(a))
+    return out

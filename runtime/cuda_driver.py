@@ -1,0 +1,151 @@
+"""A thin layer over cuda.bindings.driver: one context, device memory, cubin
+modules, kernel launches, streams, events and CUDA graphs.
+
+Everything the CUDA executor needs and nothing more; no PyTorch. Each call
+checks its CUresult and raises CudaError naming the call. Objects are owned by
+a CudaContext instance (no module-level state), so two engines in one process
+each hold their own.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def _drv():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # the gpu extra is not installed
+        raise CudaError("cuda-python is not installed: pip install 'kiln[gpu]'") from e
+    return driver
+
+
+def _check(result: tuple, what: str) -> Any:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    drv = _drv()
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+@dataclass
+class Kernel:
+    """A loaded kernel: its function handle and launch facts from Triton's metadata."""
+    name: str
+    function: Any
+    num_warps: int
+    shared: int  # dynamic shared memory bytes
+    num_scratch: int = 2  # hidden pointer args Triton appends (global and profile scratch)
+
+
+class CudaContext:
+    def __init__(self, device: int = 0) -> None:
+        drv = _drv()
+        self.drv = drv
+        _check(drv.cuInit(0), "cuInit")
+        self.device = _check(drv.cuDeviceGet(device), "cuDeviceGet")
+        self.context = _check(drv.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        _check(drv.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
+        self._modules: list = []
+        self._allocs: list[int] = []
+        major = _check(drv.cuDeviceGetAttribute(
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device), "attr")
+        minor = _check(drv.cuDeviceGetAttribute(
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device), "attr")
+        self.arch = major * 10 + minor  # 90 on H100/H200, 121 on GB10
+
+    # -- memory ------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        ptr = int(_check(self.drv.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+        self._allocs.append(ptr)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        _check(self.drv.cuMemFree(ptr), "cuMemFree")
+        self._allocs.remove(ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = _check(self.drv.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def upload(self, ptr: int, host: np.ndarray, *, sync: bool = True) -> None:
+        host = np.ascontiguousarray(host)
+        _check(self.drv.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
+        if sync:
+            self.synchronize()
+
+    def download(self, ptr: int, out: np.ndarray) -> np.ndarray:
+        assert out.flags["C_CONTIGUOUS"]
+        _check(self.drv.cuMemcpyDtoHAsync(out.ctypes.data, ptr, out.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        self.synchronize()
+        return out
+
+    def memset(self, ptr: int, nbytes: int) -> None:
+        _check(self.drv.cuMemsetD8Async(ptr, 0, nbytes, self.stream), "cuMemsetD8Async")
+
+    def to_device(self, host: np.ndarray) -> int:
+        ptr = self.malloc(host.nbytes)
+        self.upload(ptr, host)
+        return ptr
+
+    # -- modules and launches -------------------------------------------------------------
+    def load_kernel(self, cubin: bytes, name: str, num_warps: int, shared: int, num_scratch: int = 2) -> Kernel:
+        module = _check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+        self._modules.append(module)
+        fn = _check(self.drv.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+        if shared > 48 * 1024:  # opt in to more than the default dynamic shared memory
+            _check(self.drv.cuFuncSetAttribute(
+                fn, self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
+                "cuFuncSetAttribute")
+        return Kernel(name, fn, num_warps, shared, num_scratch)
+
+    def launch(self, kernel: Kernel, grid: Sequence[int], args: Sequence[tuple[Any, Any]]) -> None:
+        """args: (value, ctypes type) pairs in the kernel's order; pointers as (int, c_void_p).
+        Triton's hidden scratch pointers are appended as null (kernels here use none)."""
+        vals = [a[0] for a in args] + [0] * kernel.num_scratch
+        types = [a[1] for a in args] + [ctypes.c_void_p] * kernel.num_scratch
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        _check(self.drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
+                                       kernel.shared, self.stream, (tuple(vals), tuple(types)), 0),
+               f"cuLaunchKernel({kernel.name})")
+
+    def synchronize(self) -> None:
+        _check(self.drv.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    # -- timing and graphs ----------------------------------------------------------------
+    def event(self):
+        return _check(self.drv.cuEventCreate(0), "cuEventCreate")
+
+    def record(self, event) -> None:
+        _check(self.drv.cuEventRecord(event, self.stream), "cuEventRecord")
+
+    def elapsed_ms(self, start, end) -> float:
+        _check(self.drv.cuEventSynchronize(end), "cuEventSynchronize")
+        return float(_check(self.drv.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+
+    def begin_capture(self) -> None:
+        mode = self.drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _check(self.drv.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+
+    def end_capture(self):
+        graph = _check(self.drv.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        return _check(self.drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def replay(self, graph_exec) -> None:
+        _check(self.drv.cuGraphLaunch(graph_exec, self.stream), "cuGraphLaunch")
+
+    def close(self) -> None:
+        for ptr in list(self._allocs):
+            self.free(ptr)
+        for m in self._modules:
+            self.drv.cuModuleUnload(m)
+        self._modules.clear()

@@ -1,0 +1,174 @@
+"""The CUDA executor: replays a bundle's launch plans with cuda.bindings.
+
+At load: one context; weights uploaded (cast to the bundle's dtypes on the host);
+constant tables, the activation arena, the step-input block and workspaces
+allocated once; the KV cache sized from free memory; every kernel's cubin
+loaded; every bucket's launches resolved into ready (values, types) tuples by
+relocating the plan's symbolic pointers (region << 44 | offset) to real ones.
+Per step: pad to the smallest bucket that holds it, one host->device copy of
+the step inputs, the bucket's launches (decode buckets replay a CUDA graph
+captured on first use), one device->host copy of the sampled rows' logits.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Mapping
+
+import numpy as np
+
+from kiln.errors import InvalidModelError
+from kiln.graph import DType, to_numpy
+from kiln.runtime.bundle import Bundle, BundleError
+from kiln.runtime.cuda_driver import CudaContext
+
+REGION_SHIFT = 44  # codegen/lower.py's pointer encoding
+_CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "fp32": ctypes.c_float, "u8": ctypes.c_uint8,
+           "i1": ctypes.c_bool}
+ARCH_OF_TARGET = {"sm_90": 90, "sm_121": 121}
+
+
+class CudaExecutor:
+    def __init__(self, bundle: Bundle, load_weight: Callable[[str], np.ndarray], *, num_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, use_cuda_graphs: bool = True,
+                 ctx: CudaContext | None = None) -> None:
+        m = bundle.manifest
+        self.ctx = ctx or CudaContext()
+        want = ARCH_OF_TARGET.get(m["target"])
+        if want != self.ctx.arch:
+            raise BundleError(f"this bundle was compiled for {m['target']}, but the GPU is sm_{self.ctx.arch}: "
+                              f"recompile with --target sm_{self.ctx.arch}")
+        self.manifest = m
+        self.block_size = m["block_size"]
+        self.mb = m["max_blocks_per_seq"]
+        self.use_cuda_graphs = use_cuda_graphs
+        bases: dict[str, int] = {}
+        for name, (dtype, shape) in m["weights"].items():
+            bases[f"weight:{name}"] = self.ctx.to_device(self._weight(load_weight, name, dtype, shape))
+        for name, arr in bundle.consts.items():
+            bases[f"const:{name}"] = self.ctx.to_device(arr)
+        for name, nbytes in m["region_bytes"].items():
+            bases[name] = self.ctx.malloc(nbytes)
+        self.num_blocks = self._alloc_states(m["states"], bases, num_blocks, gpu_memory_utilization)
+        self.bases = bases
+        self.kernels = {k: self.ctx.load_kernel(bundle.kernels[k], meta["name"], meta["num_warps"], meta["shared"],
+                                                meta["n_hidden"]) for k, meta in m["kernels"].items()}
+        ptr_of = [bases[r] if r in bases else None for r in m["regions"]]
+        self.plans = {name: self._resolve(p, ptr_of) for name, p in m["plans"].items()}
+        self.buckets = sorted(self.plans.values(), key=lambda p: (p["tokens"], p["seqs"], not p["decode"]))
+        self.host_inputs = np.zeros(m["region_bytes"]["inputs"], dtype=np.uint8)
+        self.logits_offset, self.vocab = m["logits"]["offset"], m["logits"]["vocab"]
+        self.graphs: dict[str, object] = {}
+
+    # -- load ---------------------------------------------------------------------------
+    @staticmethod
+    def _weight(load_weight, name: str, dtype: str, shape) -> np.ndarray:
+        try:
+            arr = load_weight(name)
+        except KeyError:
+            raise InvalidModelError(f"weight {name!r} is missing from the model files") from None
+        if list(arr.shape) != list(shape):
+            raise InvalidModelError(f"weight {name!r} has shape {list(arr.shape)}, the bundle expects {shape}")
+        return np.ascontiguousarray(arr.astype(to_numpy(DType(dtype)), copy=False))
+
+    def _alloc_states(self, states: Mapping, bases: dict, num_blocks: int | None, util: float) -> int:
+        per_block = 0
+        for dtype, shape in states.values():
+            per_block += to_numpy(DType(dtype)).itemsize * int(np.prod([d for d in shape[1:]]))
+        if num_blocks is None:
+            free, total = self.ctx.mem_info()
+            budget = free - (1 - util) * total
+            num_blocks = int(budget // per_block)
+            if num_blocks < 2:
+                raise BundleError(f"no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free)")
+        for name, (dtype, shape) in states.items():
+            nbytes = num_blocks * to_numpy(DType(dtype)).itemsize * int(np.prod(shape[1:]))
+            bases[f"state:{name}"] = self.ctx.malloc(nbytes)
+            self.ctx.memset(bases[f"state:{name}"], nbytes)
+        return num_blocks
+
+    def _resolve(self, plan: dict, ptr_of: list) -> dict:
+        t, s, l_, decode = plan["bucket"]
+        launches = []
+        for key, grid, args in plan["launches"]:
+            kernel = self.kernels[key]
+            sig = self.manifest["kernels"][key]["signature"]
+            vals, types = [], []
+            for ty, a in zip(sig, args):
+                if ty.startswith("*"):
+                    vals.append(ptr_of[a[0]] + a[1])
+                    types.append(ctypes.c_void_p)
+                else:
+                    vals.append(a)
+                    types.append(_CTYPES[ty])
+            vals += [0] * kernel.num_scratch
+            types += [ctypes.c_void_p] * kernel.num_scratch
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            launches.append((kernel, g, (tuple(vals), tuple(types))))
+        return {"tokens": t, "seqs": s, "logits": l_, "decode": decode, "inputs": plan["inputs"],
+                "launches": launches, "name": f"{'d' if decode else 'm'}{t}x{s}"}
+
+    # -- one step -----------------------------------------------------------------------
+    def _pick(self, t: int, s: int, l_: int) -> dict:
+        decode = t == s == l_
+        for p in self.buckets:
+            if t <= p["tokens"] and s <= p["seqs"] and l_ <= p["logits"] and (decode or not p["decode"]):
+                return p
+        raise ValueError(f"no compiled bucket holds a step of {t} tokens and {s} sequences "
+                         f"(largest: {self.buckets[-1]['tokens']} tokens)")
+
+    def _stage(self, p: dict, inputs: Mapping[str, np.ndarray]) -> int:
+        buf = self.host_inputs
+        s_live = len(inputs["seq_lens"])
+
+        def put(name: str, arr: np.ndarray, fill: int) -> None:
+            off, shape = p["inputs"][name]
+            view = buf[off: off + 4 * int(np.prod(shape))].view(np.int32).reshape(shape)
+            view[...] = fill
+            view[tuple(slice(0, d) for d in arr.shape)] = arr
+        put("input_ids", inputs["input_ids"], 0)
+        put("positions", inputs["positions"], 0)
+        put("slot_mapping", inputs["slot_mapping"], -1)  # padded tokens write nothing
+        bt = inputs["block_table"]
+        if bt.shape[1] > self.mb:
+            raise ValueError(f"a sequence needs {bt.shape[1]} blocks; the bundle allows {self.mb}")
+        put("block_table", bt, 0)
+        put("seq_lens", inputs["seq_lens"], 0)
+        qsl = inputs["query_start_loc"]
+        put("query_start_loc", qsl, int(qsl[s_live]))  # padded sequences are empty
+        put("logits_indices", inputs["logits_indices"], 0)
+        put("num_logits", np.array([len(inputs["logits_indices"])], np.int32), 0)
+        off, shape = p["inputs"]["num_logits"]
+        return off + 4
+
+    def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t, s, l_ = len(inputs["input_ids"]), len(inputs["seq_lens"]), len(inputs["logits_indices"])
+        p = self._pick(t, s, l_)
+        nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
+        ctx = self.ctx
+        ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes], sync=False)
+        if p["decode"] and self.use_cuda_graphs:
+            graph = self.graphs.get(p["name"])
+            if graph is None:
+                ctx.begin_capture()
+                self._launch_all(p)
+                graph = self.graphs[p["name"]] = ctx.end_capture()
+            ctx.replay(graph)
+        else:
+            self._launch_all(p)
+        logits = np.empty((l_, self.vocab), dtype=np.float32)
+        if l_:
+            ctx.download(self.bases["arena"] + self.logits_offset, logits)
+        else:
+            ctx.synchronize()
+        return {"logits": logits}
+
+    def _launch_all(self, p: dict) -> None:
+        drv, stream = self.ctx.drv, self.ctx.stream
+        for kernel, g, params in p["launches"]:
+            err, = drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
+                                      kernel.shared, stream, params, 0)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"launching {kernel.name} failed: {err}")
+
+    def close(self) -> None:
+        self.ctx.close()

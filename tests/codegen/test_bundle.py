@@ -1,0 +1,57 @@
+"""Every bucket of the tiny models compiles to sm_90 and sm_121a cubins on this CPU
+machine; a bundle round-trips through disk; a bundle for another target or another
+model, or a corrupted one, is refused with one sentence."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kiln.codegen.compile import compile_bundle
+from kiln.graph import DType
+from kiln.models.config import ModelConfig
+from kiln.models.registry import get_graph_builder
+from kiln.passes.pipeline import run_pipeline
+from kiln.runtime.bundle import Bundle, BundleError
+from tests.tiny_models import BASE
+
+
+def _bundle(arch: str, target: str) -> tuple[Bundle, ModelConfig]:
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch]})
+    graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16))
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    return b, cfg
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("target", ["sm_90", "sm_121"])
+def test_every_bucket_compiles_and_round_trips(arch, target, tmp_path):
+    b, cfg = _bundle(arch, target)
+    plans = b.manifest["plans"]
+    assert set(plans) == {"d1x1", "d2x2", "d4x4", "d8x8", "m16x8", "m32x8", "m64x8"}
+    used = {key for p in plans.values() for key, _, _ in p["launches"]}
+    assert used == set(b.kernels)  # every launched kernel has its cubin, nothing extra
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    b.write(tmp_path / "b")
+    back = Bundle.read(tmp_path / "b", expect_target=target, expect_config_hash=cfg.compute_hash())
+    assert back.manifest["plans"] == plans and back.kernels == b.kernels
+    assert back.consts.keys() == b.consts.keys()
+    for k in b.consts:
+        np.testing.assert_array_equal(back.consts[k], b.consts[k])
+
+
+def test_foreign_or_corrupt_bundles_are_refused(tmp_path):
+    b, cfg = _bundle("Qwen3ForCausalLM", "sm_90")
+    b.write(tmp_path / "b")
+    with pytest.raises(BundleError, match="compiled for sm_90, not for this device"):
+        Bundle.read(tmp_path / "b", expect_target="sm_121")
+    with pytest.raises(BundleError, match="another model"):
+        Bundle.read(tmp_path / "b", expect_config_hash="0" * 16)
+    cubin = next((tmp_path / "b" / "kernels").iterdir())
+    cubin.write_bytes(cubin.read_bytes()[:-8])
+    with pytest.raises(BundleError, match="checksum"):
+        Bundle.read(tmp_path / "b")
+    with pytest.raises(BundleError, match="not a kiln bundle"):
+        Bundle.read(tmp_path / "nothing")
