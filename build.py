@@ -60,6 +60,13 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 GPU_TARGETS = ("sm_90", "sm_121")
 
 
+def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
+    """-> (ModelConfig, Tokenizer or None) without loading weights: what a serving front
+    end needs when the engine core runs in another process."""
+    source = open_model(model if model is not None else default_model_path())
+    return source.config, load_tokenizer(source) if tokenizer else None
+
+
 def load(model: str | Path | None = None, *, target: str = "cpu", block_size: int = 16,
          kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,

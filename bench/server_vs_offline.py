@@ -51,6 +51,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.model:
         cmd += ["--model", args.model]
+    if args.no_engine_process:
+        cmd += ["--no-engine-process"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
@@ -99,6 +101,8 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--kv-cache-tokens", type=int, default=8192)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--no-engine-process", action="store_true",
+                    help="serve with the engine core in the server's process (to measure what the split buys)")
     args = ap.parse_args()
 
     from kiln import LLM

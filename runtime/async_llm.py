@@ -61,11 +61,13 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args, stat_loggers: Sequence[Any] = ()) -> "AsyncLLM":
-        """Load the model named by EngineArgs (blocking) and start the engine thread."""
-        from kiln.runtime.llm import build_engine
+    def from_engine_args(cls, args, stat_loggers: Sequence[Any] = (), *, engine_process: bool = False) -> "AsyncLLM":
+        """Load the model named by EngineArgs (blocking) and start the engine thread.
+        engine_process: run the engine core in its own process (engine_core_client.py), as
+        vLLM serves: this process then only tokenises, detokenises and talks HTTP."""
+        from kiln.runtime.llm import build_engine, build_engine_process
 
-        engine, model = build_engine(args)
+        engine, model = build_engine_process(args) if engine_process else build_engine(args)
         engine.stat_loggers.extend(stat_loggers)
         return cls(engine, args=args, model=model)
 
@@ -260,6 +262,9 @@ class AsyncLLM:
                 stat_logger.record(sched, IterationStats())
 
     def _die(self, err: BaseException) -> None:
+        stop_core = getattr(self.engine.core, "shutdown", None)  # an engine core process ends with us
+        if stop_core is not None:
+            stop_core()
         with self._lock:
             self._dead_error = err
             collectors, self._collectors = list(self._collectors.values()), {}

@@ -50,3 +50,16 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request the scheduler accepts (capped by what the KV cache holds)."""
+        return self.scheduler.max_model_len
+
+    def snapshot(self) -> dict:
+        """Gauges an operator reads, without resetting any counter."""
+        s = self.scheduler
+        return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
+                "kv_cache_usage": s.kv_cache_manager.usage,
+                "num_free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
+                "num_total_blocks": s.kv_cache_config.num_blocks}

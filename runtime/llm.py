@@ -69,6 +69,18 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     return engine, lm
 
 
+def build_engine_process(args: EngineArgs) -> tuple[LLMEngine, None]:
+    """-> an engine whose core runs in a child process; this process keeps the tokenizer."""
+    from kiln.build import load_frontend  # build-time work: see the module docstring
+    from kiln.runtime.engine_core_client import EngineCoreClient
+
+    cfg, tok = load_frontend(args.model, tokenizer=not args.skip_tokenizer_init)
+    core = EngineCoreClient(args)
+    eos = sorted(tok.eos_token_ids) if tok is not None else []
+    max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return LLMEngine(core, tok, max_model_len=max_len, vocab_size=cfg.vocab_size, eos_token_ids=eos), None
+
+
 class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         self.args = EngineArgs(model=None if model is None else str(model), **kwargs)

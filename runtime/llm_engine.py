@@ -29,7 +29,7 @@ class LLMEngine:
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.max_model_len = min(max_model_len, core.scheduler.max_model_len)
+        self.max_model_len = min(max_model_len, core.max_model_len)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
@@ -132,11 +132,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot an operator can read: counts and KV usage (without resetting counters)."""
-        s = self.core.scheduler
-        return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
-                "kv_cache_usage": s.kv_cache_manager.usage,
-                "num_free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
-                "num_total_blocks": s.kv_cache_config.num_blocks,
+        return {**self.core.snapshot(),
                 "prefix_cache_hit_rate": self.totals.prefix_cache_hit_rate,
                 "num_preemptions": self.totals.num_preemptions,
                 "prompt_tokens": self.totals.prompt_tokens,

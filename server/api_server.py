@@ -72,14 +72,15 @@ async def serve(engine, config: ServerConfig, host: str, port: int, *, load_seco
     print("[kiln] server stopped", file=sys.stderr, flush=True)
 
 
-def run_server(args, config: ServerConfig, host: str, port: int) -> int:
-    """Load the model named by EngineArgs `args`, then serve (blocking)."""
+def run_server(args, config: ServerConfig, host: str, port: int, *, engine_process: bool = True) -> int:
+    """Load the model named by EngineArgs `args`, then serve (blocking). The engine core runs
+    in its own process unless engine_process is False (as vLLM: HTTP never starves a step)."""
     from kiln.runtime.async_llm import AsyncLLM
 
     # Warnings and errors (4xx/5xx access lines, engine failures) to stderr; 2xx stay quiet.
     logging.basicConfig(level=logging.WARNING, format="[kiln] %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(args)
+    engine = AsyncLLM.from_engine_args(args, engine_process=engine_process)
     load_s = time.perf_counter() - t0
     asyncio.run(serve(engine, config, host, port, load_seconds=load_s))
     return 0

@@ -29,8 +29,8 @@ def make_metrics(engine, config: ServerConfig) -> PrometheusStatLogger:
     args = getattr(engine, "args", None)
     cache_info = None
     if args is not None:
-        sched = engine.engine.core.scheduler
-        cache_info = {"block_size": str(args.block_size), "num_gpu_blocks": str(sched.kv_cache_config.num_blocks),
+        blocks = engine.engine.core.snapshot()["num_total_blocks"]
+        cache_info = {"block_size": str(args.block_size), "num_gpu_blocks": str(blocks),
                       "enable_prefix_caching": str(args.enable_prefix_caching)}
     metrics = PrometheusStatLogger(config.served_model_names[0], max_model_len=engine.max_model_len,
                                    max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),

@@ -37,6 +37,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="cpu", choices=("cpu", "sm_90", "sm_121"),
                    help="cpu (numpy) or the GPU arch to compile for")
     p.add_argument("--bundle", help="GPU bundle directory (compiled there when missing or stale)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process (default), so HTTP never takes a step's time")
     p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20)
 
 
@@ -78,4 +80,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or [default_name]), model_root=root,
         api_key=args.api_key, chat_template=template, enable_force_include_usage=args.enable_force_include_usage,
         max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy)
-    return run_server(engine_args, config, args.host, args.port)
+    return run_server(engine_args, config, args.host, args.port, engine_process=args.engine_process)
