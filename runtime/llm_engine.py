@@ -104,7 +104,8 @@ class LLMEngine:
         now = time.monotonic()
         # Timing of every request that sampled this step, FINAL_ONLY ones included (they return no output yet).
         states = self.output_processor.states
-        sampled = [states[o.request_id].metrics for o in core_outputs if o.new_token_ids and o.request_id in states]
+        sampled = [(states[o.request_id].metrics, len(states[o.request_id].prompt_token_ids))
+                   for o in core_outputs if o.new_token_ids and o.request_id in states]
         outputs, to_abort = self.output_processor.process_outputs(core_outputs, now)
         if to_abort:  # stop strings finished these: free their blocks now
             self.core.abort_requests(to_abort)
@@ -117,10 +118,10 @@ class LLMEngine:
     def _log_stats(self, core_outputs: list, outputs: list[RequestOutput], sampled: list) -> None:
         it = IterationStats(num_scheduled_tokens=self.core.last_step_tokens)
         it.num_generation_tokens = sum(len(o.new_token_ids) for o in core_outputs)
-        it.num_prompt_tokens = max(self.core.last_step_tokens - it.num_generation_tokens, 0)
-        for m in sampled:
-            if len(m.token_times) == 1:
+        for m, prompt_len in sampled:
+            if len(m.token_times) == 1:  # its first token: its prompt is done (cached tokens count too, as vLLM)
                 it.time_to_first_tokens.append(m.ttft)
+                it.num_prompt_tokens += prompt_len
             elif len(m.token_times) >= 2:
                 it.inter_token_latencies.append(m.token_times[-1] - m.token_times[-2])
         for ro in outputs:

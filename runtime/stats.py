@@ -26,7 +26,7 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_prompt_tokens: int = 0  # prompt tokens of the requests that got their first token this step
     num_generation_tokens: int = 0  # tokens sampled this step
     num_scheduled_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)

@@ -67,6 +67,7 @@ def test_preemption_and_recompute_equals_alone(tiny_dir, prompts, alone):
     stats = llm.stats()
     assert stats["num_free_blocks"] == 13 and stats["num_preemptions"] == len(preempted)
     assert stats["finished_requests"] == 32 and stats["generation_tokens"] == 32 * GREEDY.max_tokens
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts)  # once per request, preempted or not
 
 
 def test_prefix_cache_hit_equals_alone_and_skips_work(tiny_dir, prompts, alone):
