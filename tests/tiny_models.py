@@ -35,13 +35,18 @@ def make_tiny_model(out_dir: Path, variant: str, *, seed: int = 0, dtype=torch.f
     arch, extra = VARIANTS[variant]
     cfg_cls = transformers.LlamaConfig if arch.startswith("Llama") else transformers.Qwen3Config
     cfg = cfg_cls(**{**BASE, **extra}, architectures=[arch])
+    model = randomize(getattr(transformers, arch)(cfg).eval(), seed)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    return model.float()
+
+
+def randomize(model, seed: int):
+    """Weights with a spread that makes logits differ (norm weights near 1)."""
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.4 if "embed" in name else 1.5 / p.shape[-1] ** 0.5))
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
-    return model.float()
+    return model

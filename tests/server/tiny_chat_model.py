@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from tests.tiny_models import BASE
+from tests.tiny_models import BASE, randomize
 
 MODEL_NAME = "tiny-chat"  # the name test servers serve it under
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -45,14 +44,7 @@ def make_tiny_chat_model(out_dir: Path, *, seed: int = 0) -> Path:
     cfg = transformers.LlamaConfig(**{**BASE, "vocab_size": VOCAB_SIZE}, tie_word_embeddings=False,
                                    architectures=["LlamaForCausalLM"], bos_token_id=257, eos_token_id=258,
                                    pad_token_id=256)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.4 if "embed" in name else 1.5 / p.shape[-1] ** 0.5))
+    model = randomize(transformers.LlamaForCausalLM(cfg).eval(), seed)
     model.save_pretrained(out_dir, safe_serialization=True)
     make_tiny_tokenizer(out_dir)
     return out_dir
