@@ -70,8 +70,11 @@ def _agreement(a, b):
 
 
 def test_greedy_tokens_agree_with_transformers_cuda(tiny):
-    """Exact agreement reported for kiln vs transformers bf16 and vs the f32 truth; the
-    assertion: kiln tracks the truth at least as long as transformers' bf16 path does."""
+    """Exact agreement reported for kiln vs transformers bf16 and vs the f32 truth. Tokens
+    before the first divergence is a noisy statistic (one early near-tie flip ends a prompt's
+    count; two draws of these tiny models gave kiln/transformers ratios of 0.67-1.37), so the
+    assertion is coarse: a real bug (wrong RoPE, wrong cache slot) diverges within a few tokens,
+    far below half of what transformers' own bf16 path achieves against the same truth."""
     name, hf32, hf16, llm = tiny
     prompts = _prompts(32, seed=2)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
@@ -81,7 +84,7 @@ def test_greedy_tokens_agree_with_transformers_cuda(tiny):
     print(f"\n[{name}] greedy, 32 prompts x 64 steps (identical prompts; tokens before first divergence): "
           f"kiln vs transformers bf16 {k_h[0]}/32, {k_h[1]}/2048; kiln vs f32 truth {k_t[0]}/32, {k_t[1]}/2048; "
           f"transformers bf16 vs f32 truth {h_t[0]}/32, {h_t[1]}/2048")
-    assert k_t[1] >= 0.8 * h_t[1]
+    assert k_t[1] >= 0.5 * h_t[1]
 
 
 def test_engine_invariance_on_gpu(tiny, gpu_target):
