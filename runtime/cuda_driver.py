@@ -57,6 +57,7 @@ class CudaContext:
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
         self._modules: list = []
         self._allocs: list[int] = []
+        self._host_allocs: list[int] = []
         major = _check(drv.cuDeviceGetAttribute(
             drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device), "attr")
         minor = _check(drv.cuDeviceGetAttribute(
@@ -76,6 +77,13 @@ class CudaContext:
     def mem_info(self) -> tuple[int, int]:
         free, total = _check(self.drv.cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory as a uint8 array: copies from it are truly asynchronous
+        and run at full PCIe speed. Freed by close()."""
+        ptr = int(_check(self.drv.cuMemHostAlloc(max(int(nbytes), 1), 0), f"cuMemHostAlloc({nbytes})"))
+        self._host_allocs.append(ptr)
+        return np.frombuffer((ctypes.c_uint8 * max(int(nbytes), 1)).from_address(ptr), dtype=np.uint8)
 
     def upload(self, ptr: int, host: np.ndarray, *, sync: bool = True) -> None:
         host = np.ascontiguousarray(host)
@@ -149,3 +157,6 @@ class CudaContext:
         for m in self._modules:
             self.drv.cuModuleUnload(m)
         self._modules.clear()
+        for ptr in self._host_allocs:
+            self.drv.cuMemFreeHost(ptr)
+        self._host_allocs.clear()
