@@ -10,6 +10,7 @@ from kiln.runtime.input_batch import SeqChunk, prepare_step
 from tests.tiny_models import make_tiny_model
 
 torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 VARIANTS = ["llama_gqa_untied", "qwen3_qknorm", "llama_llama3_rope"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
@@ -22,9 +23,11 @@ def _prompts(n: int, seed: int, vocab: int = 256):
 @pytest.fixture(scope="module", params=VARIANTS)
 def tiny(request, tmp_path_factory, gpu_target):
     d = tmp_path_factory.mktemp(request.param)
-    model = make_tiny_model(d, request.param, dtype=torch.bfloat16)  # saved in bf16; returned as f32
-    hf32 = model.cuda().eval()  # the exact function of the bf16 weights: the truth
-    hf16 = make_tiny_model(d / "ref", request.param, dtype=torch.bfloat16).to(torch.bfloat16).cuda().eval()
+    make_tiny_model(d, request.param, dtype=torch.bfloat16)  # saved in bf16
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    # the truth: the bf16 weights in f32 arithmetic, loaded fresh so RoPE's inv_freq was never rounded to bf16
+    hf32 = load(d, dtype=torch.float32).cuda().eval()
+    hf16 = load(d, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(d, target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32,
               max_num_batched_tokens=256, kv_cache_tokens=16 * 2048, bundle_dir=str(d / "bundle"))
     return request.param, hf32, hf16, llm
