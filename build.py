@@ -1,6 +1,7 @@
-"""kiln's command line: compile, tune, serve, generate, bench.
+"""kiln's command line: compile, generate, serve (tune and bench come with the performance work).
 
-    python build.py generate [--model PATH] --prompt TEXT [--chat] [--max-tokens N]
+    python build.py generate [--model PATH] --prompt TEXT [--chat] [--max-tokens N] [--target T]
+    python build.py compile [--model PATH] --target sm_90|sm_121|cpu [--out DIR] [--dump-ir DIR]
     python build.py serve [--model PATH] [--host H] [--port P] [--api-key KEY] ...  (OpenAI-compatible server)
 
 Errors a user can cause print one sentence and exit 1 (no traceback).
@@ -11,8 +12,8 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 # `python build.py` runs from the repository root, which `pip install -e .` maps to the package kiln.
 from kiln.errors import KilnError, ModelNotFoundError
