@@ -68,16 +68,19 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--no-batch-invariance", action="store_true",
+                    help="compile the variant without split-K in prefill buckets, to measure what invariance costs")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
-    res: dict = {"shape": a.shape}
+    res: dict = {"shape": a.shape, "batch_invariant": not a.no_batch_invariance}
     t0 = time.perf_counter()
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
     import dataclasses
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=8,
-                            max_num_batched_tokens=max(2048, a.prefill), block_size=16)
+                            max_num_batched_tokens=max(2048, a.prefill), block_size=16,
+                            batch_invariant=not a.no_batch_invariance)
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
     print(f"compile: {res['compile_s']:.1f} s, {len(bundle.kernels)} kernels, {len(bundle.manifest['plans'])} buckets")

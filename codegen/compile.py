@@ -21,7 +21,7 @@ TARGETS = {"sm_90": "sm_90", "sm_121": "sm_121"}
 def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], config_hash: str,
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
-                   progress: Callable[[str], None] = lambda s: None) -> Bundle:
+                   progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True) -> Bundle:
     if target not in TARGETS:
         raise ValueError(f"unknown GPU target {target!r} (known: {', '.join(TARGETS)})")
     t0 = time.perf_counter()
@@ -38,7 +38,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     for i, b in enumerate(buckets):
         progress(f"lowering bucket {b.name} ({i + 1}/{len(buckets)})")
         recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
-                                   max_model_len=max_model_len, configs=configs, arch=target)
+                                   max_model_len=max_model_len, configs=configs, arch=target,
+                                   batch_invariant=batch_invariant)
     specs: dict[str, Any] = {}
     for launches in recorded.values():
         for spec, _ in launches:
@@ -59,7 +60,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     out_name = graph.outputs[0]
     manifest = {
         "target": target, "config_hash": config_hash, "model_config": model_config,
-        "block_size": block_size, "max_model_len": max_model_len, "max_blocks_per_seq": mb,
+        "block_size": block_size, "max_model_len": max_model_len, "batch_invariant": batch_invariant,
+        "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "regions": regions.names, "region_bytes": regions.sizes,
         "weights": {t.name: [str(t.dtype), list(t.shape)] for t in graph.weights},

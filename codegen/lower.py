@@ -10,6 +10,7 @@ weight, each state tensor (KV cache per layer), each constant (RoPE tables).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +76,9 @@ def input_bytes(bucket: Bucket, mb: int) -> int:
 
 class _Lowerer:
     def __init__(self, graph: Graph, plan: MemoryPlan, bucket: Bucket, mb: int, regions: Regions,
-                 configs: Configs, arch: str, max_model_len: int) -> None:
+                 configs: Configs, arch: str, max_model_len: int, batch_invariant: bool = True) -> None:
         self.g, self.plan, self.bucket, self.regions = graph, plan, bucket, regions
+        self.batch_invariant = batch_invariant
         self.configs, self.arch, self.max_model_len = configs, arch, max_model_len
         self.dims = bucket.dims(mb)
         self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
@@ -154,6 +156,10 @@ class _Lowerer:
         out = self.buf(node.outputs[0])
         n, k = self.g.tensors[w].shape
         red = self.configs.gemm_reduction(n, k)
+        if not self.batch_invariant and not self.bucket.decode and red.split_k > 1:
+            # the variant that ignores invariance (to measure its cost): no split-K where M is large,
+            # so a token's sums depend on whether it ran in a decode or a prefill bucket
+            red = dataclasses.replace(red, split_k=1)
         ws = self.workspace("gemm_ws", (red.split_k, out.shape[0], n)) if red.split_k > 1 else None
         k_gemm.gemm(self.buf(x), self.buf(w), self.buf(bias) if bias else None, out,
                     n_rows=self.n_rows(node.outputs[0]), workspace=ws, red=red, configs=self.configs, arch=self.arch)
@@ -211,9 +217,11 @@ class _Lowerer:
 
 
 def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,
-                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90"):
-    """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`."""
-    return _Lowerer(graph, plan, bucket, max_blocks_per_seq, regions, configs, arch, max_model_len).lower()
+                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90", batch_invariant: bool = True):
+    """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`.
+    batch_invariant=False exists only to measure what invariance costs (docs/BENCHMARKS.md)."""
+    return _Lowerer(graph, plan, bucket, max_blocks_per_seq, regions, configs, arch, max_model_len,
+                    batch_invariant).lower()
 
 
 def encode_args(spec: KernelSpec, args: list[Any]) -> list[Any]:
