@@ -29,8 +29,8 @@ from kiln.codegen.triton.launch import Buf, KernelSpec, recording
 from kiln.graph import Graph, TensorKind, to_numpy
 from kiln.graph.rope import rope_tables
 from kiln.passes.plan_memory import MemoryPlan
+from kiln.runtime.bundle import REGION_SHIFT  # the bundle format's pointer encoding
 
-REGION_SHIFT = 44
 ALIGN = 256
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "query_start_loc",
                "logits_indices", "num_logits")

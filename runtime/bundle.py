@@ -26,6 +26,9 @@ import yaml
 from kiln.errors import KilnError
 
 FORMAT_VERSION = 1
+# A plan's pointer arguments are (region index << REGION_SHIFT) + byte offset; the runtime
+# relocates them by region base address at load (codegen/lower.py writes them).
+REGION_SHIFT = 44
 
 
 class BundleError(KilnError, ValueError):

@@ -116,16 +116,6 @@ class CudaContext:
                 "cuFuncSetAttribute")
         return Kernel(name, fn, num_warps, shared, num_scratch)
 
-    def launch(self, kernel: Kernel, grid: Sequence[int], args: Sequence[tuple[Any, Any]]) -> None:
-        """args: (value, ctypes type) pairs in the kernel's order; pointers as (int, c_void_p).
-        Triton's hidden scratch pointers are appended as null (kernels here use none)."""
-        vals = [a[0] for a in args] + [0] * kernel.num_scratch
-        types = [a[1] for a in args] + [ctypes.c_void_p] * kernel.num_scratch
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        _check(self.drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
-                                       kernel.shared, self.stream, (tuple(vals), tuple(types)), 0),
-               f"cuLaunchKernel({kernel.name})")
-
     def synchronize(self) -> None:
         _check(self.drv.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 

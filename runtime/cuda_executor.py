@@ -21,7 +21,6 @@ from kiln.graph import DType, to_numpy
 from kiln.runtime.bundle import Bundle, BundleError
 from kiln.runtime.cuda_driver import CudaContext
 
-REGION_SHIFT = 44  # codegen/lower.py's pointer encoding
 _CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "fp32": ctypes.c_float, "u8": ctypes.c_uint8,
            "i1": ctypes.c_bool}
 ARCH_OF_TARGET = {"sm_90": 90, "sm_121": 121}
