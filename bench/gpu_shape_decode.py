@@ -19,12 +19,14 @@ import ml_dtypes
 import numpy as np
 
 from kiln.codegen.compile import compile_bundle
+from kiln.codegen.triton.configs import Configs
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.reference_shapes import SHAPES
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.schedules import Schedules
 
 
 
@@ -49,6 +51,22 @@ def gpu_only_decode_ms(ex, steps: int = 100) -> float:
     return ex.ctx.elapsed_ms(start, end) / steps
 
 
+def profile(ex, step) -> dict:
+    """Per-kernel GPU time of one decode step, summed by kernel (events between launches)."""
+    per, plain_us = ex.profile(step)
+    by: dict[str, list[float]] = {}
+    for name, us in per:
+        by.setdefault(name, []).append(us)
+    total = sum(us for _, us in per)
+    print(f"profile of one batch-1 decode step: {len(per)} launches, {total:.0f} us with events between "
+          f"launches, {plain_us:.0f} us as the plain graph")
+    for name, v in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name:32s} {len(v):4d} x {np.mean(v):7.1f} us = {sum(v):8.0f} us ({sum(v) / total:5.1%})")
+    return {"plain_graph_us": plain_us, "events_total_us": total,
+            "kernels": {n: {"count": len(v), "total_us": sum(v)} for n, v in by.items()},
+            "launches": per}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -59,6 +77,8 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-batch-invariance", action="store_true",
                     help="compile the variant without split-K in prefill buckets, to measure what invariance costs")
+    ap.add_argument("--untuned", action="store_true", help="ignore schedules/sm_90 (kiln's default configs)")
+    ap.add_argument("--profile", action="store_true", help="time every kernel of the batch-1 decode step")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
@@ -69,7 +89,9 @@ def main() -> None:
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=8,
                             max_num_batched_tokens=max(2048, a.prefill), block_size=16,
-                            batch_invariant=not a.no_batch_invariance)
+                            batch_invariant=not a.no_batch_invariance,
+                            configs=Configs() if a.untuned else Configs(lookup=Schedules.read("sm_90").lookup))
+    res["tuned"] = not a.untuned
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
     print(f"compile: {res['compile_s']:.1f} s, {len(bundle.kernels)} kernels, {len(bundle.manifest['plans'])} buckets")
@@ -77,7 +99,7 @@ def main() -> None:
         return _dump(a, res)
     from kiln.runtime.cuda_executor import CudaExecutor
 
-    shapes = {t.name: t.shape for t in graph.weights}
+    shapes = graph.checkpoint_weights()  # the fused graph stacks some of them (q/k/v, gate/up)
     load = random_weights()
     t0 = time.perf_counter()
     ex = CudaExecutor(bundle, lambda n: load(n, shapes[n]), num_blocks=(a.max_model_len // 16) * 4)
@@ -103,6 +125,8 @@ def main() -> None:
     res["decode_gpu_ms"] = gpu_only_decode_ms(ex)
     print(f"  of which GPU (graph replay alone): {res['decode_gpu_ms']:.2f} ms/step "
           f"= {1e3 / res['decode_gpu_ms']:.1f} tok/s; host side {dt * 1e3 - res['decode_gpu_ms']:.2f} ms")
+    if a.profile:
+        res["profile"] = profile(ex, prepare_step([SeqChunk([tok], pos, blocks)], bs))
     p = rng.integers(0, cfg.vocab_size, size=a.prefill).tolist()
     ex.execute(prepare_step([SeqChunk(p, 0, blocks)], bs))
     t0 = time.perf_counter()

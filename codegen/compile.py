@@ -64,7 +64,10 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "regions": regions.names, "region_bytes": regions.sizes,
-        "weights": {t.name: [str(t.dtype), list(t.shape)] for t in graph.weights},
+        # name -> [dtype, shape] or [dtype, shape, [[part, rows], ...]]: a stacked weight (merged
+        # q/k/v, gate/up) is these checkpoint tensors one after another along axis 0
+        "weights": {t.name: [str(t.dtype), list(t.shape)] + ([[list(p) for p in t.parts]] if t.parts else [])
+                    for t in graph.weights},
         "states": {t.name: [str(t.dtype), [d if isinstance(d, int) else str(d) for d in t.shape]]
                    for t in graph.states},
         "logits": {"offset": plan.offsets[out_name], "dtype": str(graph.tensors[out_name].dtype),

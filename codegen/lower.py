@@ -25,7 +25,7 @@ from kiln.codegen.triton import paged_attention_launch as k_attn
 from kiln.codegen.triton import rms_norm as k_norm
 from kiln.codegen.triton import silu_mul as k_silu
 from kiln.codegen.triton.configs import DEFAULT, Configs
-from kiln.codegen.triton.launch import Buf, KernelSpec, recording
+from kiln.codegen.triton.launch import Buf, KernelSpec, contiguous_strides, recording
 from kiln.graph import Graph, TensorKind, to_numpy
 from kiln.graph.rope import rope_tables
 from kiln.passes.plan_memory import MemoryPlan
@@ -96,6 +96,9 @@ class _Lowerer:
 
     def buf(self, name: str) -> Buf:
         t = self.g.tensors[name]
+        node = self.g.producer(name)
+        if node is not None and node.op in ("reshape", "slice_cols"):
+            return self.view(node, t)
         shape, dtype = t.concrete_shape(self.dims), to_numpy(t.dtype)
         if t.kind == TensorKind.INPUT:
             off, _, lshape = self.layout[name]
@@ -105,6 +108,21 @@ class _Lowerer:
         if t.kind == TensorKind.STATE:
             return Buf(ptr=self.regions.ptr(f"state:{self.state_root(name)}"), shape=shape, dtype=dtype)
         return Buf(ptr=self.regions.ptr("arena", self.plan.offsets[name]), shape=shape, dtype=dtype)
+
+    def view(self, node, t) -> Buf:
+        """A view's buffer from its source's: same bytes (reshape) or a column window (slice)."""
+        src = self.buf(node.inputs[0])
+        shape = t.concrete_shape(self.dims)
+        if node.op == "slice_cols":
+            item = src.np_dtype.itemsize
+            return Buf(ptr=src.ptr + node.attrs["start"] * item, shape=shape, dtype=src.np_dtype,
+                       strides=src.strides[:-1] + (1,))
+        if src.strides == contiguous_strides(src.shape):
+            return Buf(ptr=src.ptr, shape=shape, dtype=src.np_dtype)
+        # a strided [T, N] source split as [T, a, b] (q heads out of a qkv slice)
+        if len(src.shape) == 2 and len(shape) == 3 and shape[0] == src.shape[0] and shape[1] * shape[2] == src.shape[1]:
+            return Buf(ptr=src.ptr, shape=shape, dtype=src.np_dtype, strides=(src.strides[0], shape[2], 1))
+        raise LoweringError(f"cannot reshape a strided view to {shape} ({node.name})")
 
     def n_rows(self, name: str) -> Buf:
         """Device scalar holding the live rows of a [T, ...] or [L, ...] tensor."""
@@ -137,8 +155,10 @@ class _Lowerer:
         return launches
 
     # -- one method per op -------------------------------------------------------------
-    def op_reshape(self, node) -> None:  # a view: plan_memory gave it its source's bytes
+    def op_reshape(self, node) -> None:  # views: buf() resolves them to their source's bytes
         pass
+
+    op_slice_cols = op_reshape
 
     def op_embedding(self, node) -> None:
         ids, table = node.inputs

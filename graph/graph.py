@@ -142,6 +142,15 @@ class Graph:
     def weights(self) -> list[Tensor]:
         return self.tensors_of(TensorKind.WEIGHT)
 
+    def checkpoint_weights(self) -> dict[str, tuple]:
+        """name -> shape of every tensor the graph reads from the checkpoint (stacked
+        weights listed by their parts)."""
+        out = {}
+        for t in self.weights:
+            for name, rows in t.parts or ((t.name, t.shape[0]),):
+                out[name] = (rows, *t.shape[1:])
+        return out
+
     @property
     def states(self) -> list[Tensor]:
         return [t for t in self.tensors.values() if t.kind == TensorKind.STATE and self.producer(t.name) is None]

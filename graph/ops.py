@@ -114,6 +114,20 @@ def reshape(x, *, shape):
     return x.reshape(tuple(d if isinstance(d, int) else -1 for d in shape))
 
 
+def _infer_slice_cols(ins, attrs):
+    start, stop = attrs["start"], attrs["stop"]
+    width = ins[0].shape[-1]
+    if not (isinstance(width, int) and 0 <= start < stop <= width):
+        raise ValueError(f"slice_cols: [{start}, {stop}) is not inside {ins[0].name}'s {width} columns")
+    return [(ins[0].dtype, (*ins[0].shape[:-1], stop - start))]
+
+
+@OPS.register("slice_cols", inputs=1, infer=_infer_slice_cols)
+def slice_cols(x, *, start: int, stop: int):
+    """x[..., start:stop]: a view (its rows keep x's stride), e.g. q out of a merged qkv."""
+    return x[..., start:stop]
+
+
 @OPS.register("cast", inputs=1, infer=lambda ins, a: [(DType(a["dtype"]), ins[0].shape)])
 def cast(x, *, dtype):
     return x.astype(to_numpy(DType(dtype)))

@@ -31,6 +31,9 @@ class Tensor:
     dtype: DType
     shape: tuple[Dim, ...]
     kind: TensorKind = TensorKind.ACTIVATION
+    # A weight made at load time by stacking checkpoint tensors along axis 0, as
+    # ((name, rows), ...) (passes/merge_parallel_linears.py: q/k/v -> qkv, gate/up -> gate_up).
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def rank(self) -> int:

@@ -15,6 +15,7 @@ from kiln.passes.fuse_add_rmsnorm import FuseAddRmsNorm
 from kiln.passes.fold_cast_into_linear import FoldCastIntoLinear
 from kiln.passes.fuse_attention_preamble import FuseAttentionPreamble
 from kiln.passes.fuse_silu_mul import FuseSiluMul
+from kiln.passes.merge_parallel_linears import MergeParallelLinears
 from kiln.passes.sink_logits_gather import SinkLogitsGather
 
 
@@ -22,6 +23,7 @@ def default_passes() -> list[Pass]:
     return [
         EliminateDeadCode(),
         SinkLogitsGather(),
+        MergeParallelLinears(),
         FuseAddRmsNorm(),
         FuseSiluMul(),
         FuseAttentionPreamble(),

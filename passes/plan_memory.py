@@ -4,7 +4,7 @@ Every activation gets a byte offset in one arena sized for the largest bucket;
 smaller buckets reuse the same offsets (a [T, N] row-major buffer keeps its
 row stride whatever T is). Two activations may share bytes only if their
 lifetimes (first write .. last read, in execution order) do not overlap.
-Reshapes are views: they alias their input's bytes and extend its lifetime.
+Reshapes and column slices are views: they alias their input's bytes and extend its lifetime.
 State updates alias the state buffer and need no arena bytes.
 
 Placement is greedy by size, largest first, each at the lowest offset that
@@ -18,7 +18,9 @@ from typing import Mapping
 
 from kiln.graph import Graph, TensorKind
 
-ALIAS_OPS = ("reshape",)  # outputs that are views of input 0
+# outputs that are views of input 0 (the offset of a slice inside its source is the
+# lowering's business: plan offsets of views are their owner's)
+ALIAS_OPS = ("reshape", "slice_cols")
 
 
 @dataclass

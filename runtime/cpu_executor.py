@@ -32,9 +32,10 @@ class CpuExecutor:
     @staticmethod
     def _load(t, load_weight: WeightLoader) -> np.ndarray:
         try:
-            arr = load_weight(t.name)
-        except KeyError:
-            raise InvalidModelError(f"weight {t.name!r} is missing from the model files") from None
+            # a stacked weight (passes/merge_parallel_linears.py) is its parts along axis 0
+            arr = np.concatenate([load_weight(p) for p, _ in t.parts]) if t.parts else load_weight(t.name)
+        except KeyError as e:
+            raise InvalidModelError(f"weight {e.args[0]!r} is missing from the model files") from None
         if tuple(arr.shape) != tuple(t.shape):
             raise InvalidModelError(f"weight {t.name!r} has shape {list(arr.shape)}, "
                                     f"the config implies {list(t.shape)}")

@@ -45,7 +45,7 @@ class Buf:
                 raise ValueError("Buf needs an array, or ptr + shape + dtype")
             self.ptr, self.shape = int(ptr), tuple(int(d) for d in shape)
             self.np_dtype = to_numpy(DType(dtype)) if isinstance(dtype, (str, DType)) else np.dtype(dtype)
-            self.strides = tuple(strides) if strides is not None else _contiguous(self.shape)
+            self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
 
     @property
     def on_host(self) -> bool:
@@ -88,7 +88,7 @@ class Buf:
         return f"Buf({dtype_name(self)}{list(self.shape)} @ {where})"
 
 
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
         out.append(acc)
@@ -153,7 +153,7 @@ def check_shape(x, shape: Sequence[int], name: str) -> None:
 def check_inner_contiguous(x, name: str, ndim_inner: int = 1) -> None:
     """The last `ndim_inner` dims are packed row-major (kernels index them as one run)."""
     shp, st = shape_of(x), strides_of(x)
-    check(st[len(st) - ndim_inner:] == _contiguous(shp[len(shp) - ndim_inner:]),
+    check(st[len(st) - ndim_inner:] == contiguous_strides(shp[len(shp) - ndim_inner:]),
           f"{name}: the last {ndim_inner} dim(s) must be contiguous, strides {list(st)}")
 
 

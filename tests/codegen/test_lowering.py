@@ -40,9 +40,12 @@ def test_lowered_plan_matches_numpy(arch):
                                     "max_position_embeddings": MAX_LEN})
     graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS))
     rng = np.random.default_rng(0)
-    weights = {t.name: (rng.standard_normal(t.shape) * (0.3 if len(t.shape) == 1 else 1.5 / t.shape[-1] ** 0.5)
-                        + (1.0 if t.name.endswith("norm.weight") else 0.0)).astype(to_numpy(t.dtype))
-               for t in graph.weights}
+    weights = {n: (rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 1.5 / shape[-1] ** 0.5)
+                   + (1.0 if n.endswith("norm.weight") else 0.0)).astype(to_numpy(DType.bf16))
+               for n, shape in graph.checkpoint_weights().items()}
+    for t in graph.weights:  # the stacked weights (q/k/v, gate/up), as the executor uploads them
+        if t.parts:
+            weights[t.name] = np.concatenate([weights[p] for p, _ in t.parts])
     mb = MAX_LEN // BS
     buckets = [Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]
     plan = plan_memory(graph, {"T": 64, "S": 4, "S1": 5, "L": 4, "MB": mb})
