@@ -94,7 +94,8 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
                                              cfg.max_position_embeddings),
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            bundle_dir=bundle_dir)
-    executor = CudaExecutor(bundle, source.weights.get,
+    # keep_dtype: bf16 checkpoints go to the GPU without a round trip through f32
+    executor = CudaExecutor(bundle, lambda name: source.weights.get(name, keep_dtype=True),
                             num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size))
     return LoadedModel(source, graph, executor, tok, block_size)
 
@@ -106,20 +107,30 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     import dataclasses
 
     from kiln.codegen.compile import compile_bundle
+    from kiln.codegen.triton.configs import Configs
     from kiln.runtime.bundle import Bundle, BundleError
+    from kiln.schedules import Schedules
 
+    schedules = Schedules.read(target)
     if bundle_dir is not None and (Path(bundle_dir) / "manifest.yaml").is_file():
         try:
             b = Bundle.read(bundle_dir, expect_target=target, expect_config_hash=source.config.compute_hash())
             if (b.manifest["max_model_len"], b.manifest["max_num_seqs"], b.manifest["max_num_batched_tokens"],
-                    b.manifest["block_size"]) == (max_model_len, max_num_seqs, max_num_batched_tokens, block_size):
+                    b.manifest["block_size"], b.manifest.get("schedules_sha256")) == \
+                    (max_model_len, max_num_seqs, max_num_batched_tokens, block_size, schedules.digest()):
                 return b
         except BundleError:
             pass  # stale or foreign: rebuild it below
+    configs = Configs(lookup=schedules.lookup)
     bundle = compile_bundle(graph, target=target, model_config=dataclasses.asdict(source.config),
                             config_hash=source.config.compute_hash(), max_model_len=max_model_len,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            block_size=block_size, progress=progress)
+                            block_size=block_size, progress=progress, configs=configs)
+    bundle.manifest["schedules_sha256"] = schedules.digest()
+    if configs.fallbacks:
+        gemm = sorted(k for op, k in configs.fallbacks if op.startswith("gemm"))
+        progress(f"{len(configs.fallbacks)} kernel configs use defaults (no entry in schedules/{target}/); "
+                 f"GEMMs among them: {', '.join(str(k) for k in gemm) or 'none'}")
     if bundle_dir is not None:
         bundle.write(bundle_dir)
     return bundle
@@ -178,6 +189,38 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Sweep GEMM schedules for a model's buckets on this machine's GPU; write schedules/<target>/gemm.yaml."""
+    from kiln.codegen.autotune import GemmTuner, gemm_problems
+    from kiln.codegen.buckets import make_buckets
+    from kiln.runtime.cuda_driver import CudaContext
+    from kiln.schedules import ROOT, Schedules
+
+    t0 = time.perf_counter()
+    cfg_file = Path(args.model or "") / "config.json"
+    if args.model and cfg_file.is_file():  # tuning needs shapes only: a config.json alone will do
+        import json
+
+        from kiln.models.config import ModelConfig
+        cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    else:
+        cfg = open_model(args.model if args.model is not None else default_model_path()).config
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=args.block_size))
+    problems = gemm_problems(graph, make_buckets(args.max_num_seqs, args.max_num_batched_tokens))
+    ctx = CudaContext()
+    if f"sm_{ctx.arch}" != args.target:
+        raise KilnError(f"this GPU is sm_{ctx.arch}; tuning for {args.target} needs that GPU")
+    say = lambda msg: print(f"[kiln] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    tuned = GemmTuner(ctx, args.target, progress=say).tune(problems)
+    root = Path(args.out) if args.out else ROOT
+    sched = Schedules.read(args.target, root)
+    sched.merge(tuned)
+    path = sched.write("gemm", root)
+    say(f"wrote {path} ({len(tuned.entries.get('gemm_tile', []))} tiles, "
+        f"{len(tuned.entries.get('gemm_reduction', []))} reductions) in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.server.cli_args import cmd_serve as serve  # tornado and the server load only for `serve`
 
@@ -205,6 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
     c.set_defaults(func=cmd_compile)
+    t = sub.add_parser("tune", help="autotune GEMM schedules on this GPU into schedules/<target>/")
+    t.add_argument("--model", help="HF model directory or GGUF file (only its config is read)")
+    t.add_argument("--target", default="sm_90", choices=GPU_TARGETS)
+    t.add_argument("--out", help="schedules root to write (default: the schedules/ folder of this checkout)")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.set_defaults(func=cmd_tune)
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)

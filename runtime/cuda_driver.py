@@ -14,9 +14,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kiln.errors import KilnError
 
-class CudaError(RuntimeError):
-    pass
+
+class CudaError(KilnError, RuntimeError):
+    """No CUDA (driver, device or cuda-python), or a driver call failed: one sentence for the user."""
 
 
 def _drv():

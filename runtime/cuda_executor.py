@@ -41,8 +41,8 @@ class CudaExecutor:
         self.mb = m["max_blocks_per_seq"]
         self.use_cuda_graphs = use_cuda_graphs
         bases: dict[str, int] = {}
-        for name, (dtype, shape) in m["weights"].items():
-            bases[f"weight:{name}"] = self.ctx.to_device(self._weight(load_weight, name, dtype, shape))
+        for name, (dtype, shape, *parts) in m["weights"].items():
+            bases[f"weight:{name}"] = self._upload_weight(load_weight, name, dtype, shape, parts[0] if parts else None)
         for name, arr in bundle.consts.items():
             bases[f"const:{name}"] = self.ctx.to_device(arr)
         for name, nbytes in m["region_bytes"].items():
@@ -62,6 +62,22 @@ class CudaExecutor:
         self.graphs: dict[str, object] = {}
 
     # -- load ---------------------------------------------------------------------------
+    def _upload_weight(self, load_weight, name: str, dtype: str, shape, parts: list | None) -> int:
+        """One device buffer per weight; a stacked weight (merged q/k/v, gate/up) gets its
+        parts copied in at their row offsets, so no stacked host copy is ever made."""
+        if not parts:
+            return self.ctx.to_device(self._weight(load_weight, name, dtype, shape))
+        item = to_numpy(DType(dtype)).itemsize
+        ptr = self.ctx.malloc(item * int(np.prod(shape)))
+        row = 0
+        for part, rows in parts:
+            arr = self._weight(load_weight, part, dtype, [rows, *shape[1:]])
+            self.ctx.upload(ptr + row * item * int(np.prod(shape[1:])), arr)
+            row += rows
+        if row != shape[0]:
+            raise BundleError(f"the parts of {name!r} have {row} rows, the bundle says {shape[0]}")
+        return ptr
+
     @staticmethod
     def _weight(load_weight, name: str, dtype: str, shape) -> np.ndarray:
         try:
@@ -170,6 +186,41 @@ class CudaExecutor:
                                       kernel.shared, stream, params, 0)
             if err != drv.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"launching {kernel.name} failed: {err}")
+
+    def profile(self, inputs: Mapping[str, np.ndarray], reps: int = 5) -> tuple[list[tuple[str, float]], float]:
+        """Time every launch of the step's bucket inside one CUDA graph, an event recorded
+        between launches: -> ([(kernel name, us)] in plan order, us of the plain graph).
+        The events add a little time per launch; the plain graph's time is the truth."""
+        t, s, l_ = len(inputs["input_ids"]), len(inputs["seq_lens"]), len(inputs["logits_indices"])
+        p = self._pick(t, s, l_)
+        nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
+        ctx = self.ctx
+        ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes])
+        events = [ctx.event() for _ in range(len(p["launches"]) + 1)]
+        ctx.begin_capture()
+        drv = ctx.drv
+        ctx.record(events[0])
+        for i, (kernel, g, params) in enumerate(p["launches"]):
+            drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1, kernel.shared,
+                               ctx.stream, params, 0)
+            ctx.record(events[i + 1])
+        timed = ctx.end_capture()
+        ctx.begin_capture()
+        self._launch_all(p)
+        plain = ctx.end_capture()
+        per = np.zeros(len(p["launches"]))
+        whole = []
+        for _ in range(reps):
+            ctx.replay(timed)
+            ctx.synchronize()
+            per += [ctx.elapsed_ms(events[i], events[i + 1]) * 1000 for i in range(len(per))]
+            a, b = ctx.event(), ctx.event()
+            ctx.record(a)
+            ctx.replay(plain)
+            ctx.record(b)
+            whole.append(ctx.elapsed_ms(a, b) * 1000)
+        names = [f"{k.name}{list(g)}" for k, g, _ in p["launches"]]
+        return list(zip(names, (per / reps).tolist())), float(np.median(whole))
 
     def close(self) -> None:
         self.ctx.close()

@@ -1,0 +1,114 @@
+"""Tuned kernel schedules, checked in as YAML: one file per arch and op family.
+
+    schedules/sm_90/gemm.yaml
+      compiler: triton 3.6.0
+      gemm_reduction:                  # per weight [N, K]: the K order of every element
+      - {n: 6144, k: 4096, block_k: 128, split_k: 2, us: 9.8}
+      gemm_tile:                       # per (M bucket, N, K): how output tiles are cut
+      - {m: 1, n: 6144, k: 4096, block_m: 16, block_n: 32, num_warps: 4, num_stages: 5, us: 9.8}
+
+`build.py tune` writes them (codegen/autotune.py); `Schedules.lookup` is the hook
+codegen/triton/configs.Configs takes. A GEMM tile entry tuned for M serves every
+bucket up to M (the smallest tuned M that holds the bucket; past the largest, the
+largest). Entries written by another compiler version are ignored: a schedule is
+a measurement of one compiler's code. This package imports nothing of kiln.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent
+# the fields of an entry that form its key (the rest is the config, plus `us`, the timing)
+KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k")}
+NOT_CONFIG = {"m", "n", "k", "us"}
+
+
+def compiler_version() -> str:
+    try:
+        import triton
+        return f"triton {triton.__version__}"
+    except ImportError:
+        return "triton (not installed)"
+
+
+class Schedules:
+    def __init__(self, arch: str, entries: Mapping[str, list[dict]] | None = None,
+                 compiler: str | None = None) -> None:
+        self.arch = arch
+        self.compiler = compiler or compiler_version()
+        self.entries: dict[str, list[dict]] = {op: list(v) for op, v in (entries or {}).items()}
+
+    # -- files ------------------------------------------------------------------------
+    @classmethod
+    def read(cls, arch: str, root: Path = ROOT) -> "Schedules":
+        """Every YAML file under root/arch whose compiler matches this one's."""
+        here = compiler_version()
+        entries: dict[str, list[dict]] = {}
+        for f in sorted((root / arch).glob("*.yaml")) if (root / arch).is_dir() else []:
+            doc = yaml.safe_load(f.read_text()) or {}
+            if doc.get("compiler") != here:
+                log.warning("ignoring %s: tuned with %s, this is %s", f, doc.get("compiler"), here)
+                continue
+            for op, items in doc.items():
+                if op != "compiler":
+                    entries.setdefault(op, []).extend(items or [])
+        return cls(arch, entries, here)
+
+    def write(self, name: str, root: Path = ROOT) -> Path:
+        path = root / self.arch / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc: dict[str, Any] = {"compiler": self.compiler}
+        for op in sorted(self.entries):
+            doc[op] = sorted(self.entries[op], key=lambda e: tuple(e.get(k, 0) for k in ("n", "k", "m")))
+        header = "# written by `build.py tune` (codegen/autotune.py); timed on the GPU under CUDA graphs\n"
+        path.write_text(header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=140))
+        return path
+
+    def merge(self, other: "Schedules") -> None:
+        """Entries of `other` replace ours with the same key."""
+        for op, items in other.entries.items():
+            mine = self.entries.setdefault(op, [])
+            for e in items:
+                key = self._key(op, e)
+                mine[:] = [x for x in mine if self._key(op, x) != key]
+                mine.append(e)
+
+    @staticmethod
+    def _key(op: str, e: Mapping) -> tuple:
+        return tuple(e.get(k) for k in KEYS.get(op, ()) + (("m",) if "m" in e else ()))
+
+    def digest(self) -> str:
+        """What a bundle compiled with these schedules records, to notice a retune."""
+        import hashlib
+        blob = yaml.safe_dump({"compiler": self.compiler, **self.entries}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # -- the Configs hook ---------------------------------------------------------------
+    def lookup(self, op: str, key: tuple) -> dict | None:
+        items = self.entries.get(op)
+        if not items:
+            return None
+        if op == "gemm_reduction":
+            n, k = key
+            hit = [e for e in items if (e["n"], e["k"]) == (n, k)]
+            return _config(hit[0]) if hit else None
+        if op == "gemm_tile":
+            m, n, k, arch = key
+            if arch != self.arch:
+                return None
+            hit = sorted((e for e in items if (e["n"], e["k"]) == (n, k)), key=lambda e: e["m"])
+            if not hit:
+                return None
+            up = [e for e in hit if e["m"] >= m]
+            return _config(up[0] if up else hit[-1])
+        return None
+
+
+def _config(e: Mapping) -> dict:
+    return {k: v for k, v in e.items() if k not in NOT_CONFIG}

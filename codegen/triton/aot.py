@@ -24,6 +24,7 @@ kernel here).
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 import hashlib
 import importlib.util
@@ -73,9 +74,11 @@ def compile_spec(spec: KernelSpec, arch: str = "sm_90", cache_dir: str | Path | 
     return compile_specs([(spec, arch)], cache_dir)[0]
 
 
-def compile_specs(jobs: list[tuple[KernelSpec, str]], cache_dir: str | Path | None = None) -> list[Compiled]:
+def compile_specs(jobs: list[tuple[KernelSpec, str]], cache_dir: str | Path | None = None,
+                  workers: int | None = None) -> list[Compiled]:
     """Compile (spec, arch) pairs; cache hits are read back, misses compiled in this
-    process or, under the interpreter, together in one child process."""
+    process or, under the interpreter or with workers > 1, in child processes (as many
+    as `workers`; default: one per CPU when there are many misses)."""
     for _, arch in jobs:
         if arch not in ARCHS:
             raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHS)})")
@@ -85,7 +88,12 @@ def compile_specs(jobs: list[tuple[KernelSpec, str]], cache_dir: str | Path | No
     miss = [i for i, c in enumerate(out) if c is None]
     if miss:
         todo = [jobs[i] for i in miss]
-        done = [_compile_here(s, a) for s, a in todo] if not interpreting() else _compile_in_child(todo)
+        if workers is None:
+            workers = min(os.cpu_count() or 1, len(todo) // 4) or 1
+        if workers > 1:
+            done = _compile_in_children(todo, workers)
+        else:
+            done = [_compile_here(s, a) for s, a in todo] if not interpreting() else _compile_in_child(todo)
         for i, c in zip(miss, done, strict=True):
             _write_cache(cache, keys[i], c)
             out[i] = c
@@ -123,14 +131,30 @@ def _count_ptx_params(ptx: str, name: str) -> int:
 
 
 def _compile_in_child(jobs: list[tuple[KernelSpec, str]]) -> list[Compiled]:
+    return _compile_in_children(jobs, 1)
+
+
+def _compile_in_children(jobs: list[tuple[KernelSpec, str]], workers: int) -> list[Compiled]:
+    """Round-robin the jobs over `workers` child compilers running at once."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    msg = json.dumps([{"spec": _spec_to_json(s), "arch": a} for s, a in jobs])
-    proc = subprocess.run([sys.executable, "-m", "kiln.codegen.triton.aot"], input=msg, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        names = ", ".join(f"{s.kernel}@{a}" for s, a in jobs)
-        raise RuntimeError(f"compiling {names} failed:\n{proc.stderr[-4000:]}")
-    return [_from_json(d) for d in json.loads(proc.stdout)]
+    shares = [jobs[i::workers] for i in range(workers)]
+    procs = []
+    for share in shares:
+        if not share:
+            continue
+        p = subprocess.Popen([sys.executable, "-m", "kiln.codegen.triton.aot"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        procs.append((share, p, json.dumps([{"spec": _spec_to_json(s), "arch": a} for s, a in share])))
+    with ThreadPoolExecutor(len(procs)) as pool:  # feed and drain every child at once
+        talks = list(pool.map(lambda t: t[1].communicate(t[2]), procs))
+    results = {}
+    for i, ((share, p, _), (out, err)) in enumerate(zip(procs, talks)):
+        if p.returncode != 0:
+            names = ", ".join(f"{s.kernel}@{a}" for s, a in share)
+            raise RuntimeError(f"compiling {names} failed:\n{err[-4000:]}")
+        for j, d in enumerate(json.loads(out)):
+            results[i + j * workers] = _from_json(d)
+    return [results[i] for i in range(len(jobs))]
 
 
 def _spec_to_json(spec: KernelSpec) -> dict:

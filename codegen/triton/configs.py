@@ -66,13 +66,13 @@ class ElementwiseConfig:
 class Configs:
     def __init__(self, lookup: Lookup | None = None):
         self._lookup = lookup
-        self._said: set = set()
+        self.fallbacks: list[tuple[str, tuple]] = []  # (op, key) with no tuned entry, in order of asking
 
     def _get(self, op: str, key: tuple, default):
         found = self._lookup(op, key) if self._lookup else None
         if found is None:
-            if self._lookup is not None and (op, key) not in self._said:
-                self._said.add((op, key))
+            if self._lookup is not None and (op, key) not in self.fallbacks:
+                self.fallbacks.append((op, key))
                 log.info("no tuned schedule for %s %s; using the default %s", op, key, default)
             return default
         names = {f.name for f in fields(default)}
