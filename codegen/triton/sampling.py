@@ -1,0 +1,396 @@
+"""Sampling on the GPU: the numpy sampler's steps (runtime/sampler.py, ported from vLLM V1
+`vllm/v1/sample/sampler.py`) on f32 logits rows already in device memory.
+
+Every kernel runs one program per row and walks the vocabulary in BLOCK_V chunks, so
+any V (152k for Qwen) works with fixed registers; a row is 4V bytes and stays in L2
+between passes. Rows are addressed through `row_idx` (program j works on logits row
+row_idx[j]), so the sampled rows of a step need not be contiguous.
+
+  logits_processors_kernel  in place, from a compact CSR list per row: entries
+      (token, additive bias, output count) cover logit_bias, bad words and min_tokens
+      (bias -inf) and penalties (every listed token was seen in the prompt or the
+      output: repetition; count > 0: frequency and presence, vLLM's formulas). A row
+      in whitelist mode (allowed_token_ids) lists every allowed token and all others
+      become -inf.
+  sample_kernel             greedy argmax (temperature 0), or temperature, min_p,
+      top-k, top-p and the exponential race with Philox noise seeded per row.
+  logprobs_kernel           log_softmax of raw logits: a given token's logprob and
+      rank, and the top K with `gather_logprobs`' tie rules.
+  copy_rows_kernel          raw rows aside before the processors touch them.
+
+Top-k and top-p need no sort: the k-th largest value (and the top-p cut) is found by
+a binary search over the order-preserving int32 image of the f32 values, one counting
+pass over the row per step (~32 passes). Both keep every token tied with the last
+kept one (a value cut), as the numpy reference does; vLLM's sort-based top-p masks by
+sorted position and may drop some of the tokens tied with its last kept one, in the
+sort's order.
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from kiln.codegen.triton.configs import ElementwiseConfig
+from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, launch,
+                                        shape_of, strides_of)
+
+NEG_INF = float("-inf")
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs; a row asking more is gathered on the host
+# Launch config of the bundle's sampling kernels: one program per row, so the block is
+# wide to keep one SM's loads in flight.
+DEFAULT_CONFIG = ElementwiseConfig(block=2048, num_warps=8)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+@triton.jit
+def _load_row(base, cols, V):
+    x = tl.load(base + cols, mask=cols < V, other=NEG_INF)
+    return tl.where(x != x, NEG_INF, x)  # NaN never wins
+
+
+@triton.jit
+def _key(x):
+    # Order-preserving int32 image of f32: non-negative floats keep their bits, negative
+    # ones flip all bits but the sign; -0.0 and +0.0 are one value, as in numpy.
+    b = x.to(tl.int32, bitcast=True)
+    k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    return tl.where(x == 0.0, 0, k)
+
+
+@triton.jit
+def _row_argmax(base, V, BLOCK_V: tl.constexpr):
+    """(max, index of its first occurrence); a row of -inf gives (-inf, 0) as numpy."""
+    best = tl.full((), NEG_INF, tl.float32)
+    best_idx = tl.full((), 0, tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols, mask=cols < V, other=NEG_INF)
+        x = tl.where(x != x, NEG_INF, x)  # NaN never wins
+        m = tl.max(x, axis=0)
+        i = tl.argmax(x, axis=0, tie_break_left=True)
+        better = m > best  # strictly: an earlier chunk keeps a tie
+        best_idx = tl.where(better, v0 + i, best_idx)
+        best = tl.where(better, m, best)
+    return best, best_idx
+
+
+@triton.jit
+def _scaled(base, cols, V, temp, zmax, min_p):
+    """(w, key(w)): z = x / T with min_p applied, -inf where p < min_p * p_max, i.e. where
+    exp(z - zmax) < min_p (the reference compares softmax probabilities, p_i < p_max *
+    min_p; the two differ only by rounding at the boundary)."""
+    x = tl.load(base + cols, mask=cols < V, other=NEG_INF)
+    z = tl.math.div_rn(tl.where(x != x, NEG_INF, x), temp)  # IEEE division, as numpy's logits / T
+    w = tl.where((tl.exp(z - zmax) >= min_p) & (cols < V), z, NEG_INF)
+    # the order-preserving int32 image (see _key), inlined: the interpreter pays per call
+    bits = w.to(tl.int32, bitcast=True)
+    key = tl.where(w == 0.0, 0, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+    return w, key
+
+
+@triton.jit
+def _kth_largest_key(base, V, temp, zmax, min_p, k, BLOCK_V: tl.constexpr):
+    """The int32 key of the k-th largest scaled value: the largest t with #(key >= t) >= k."""
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = _key(zmax).to(tl.int64)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        n = tl.full((), 0, tl.int32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+            n += tl.sum(((kw.to(tl.int64) >= mid) & (cols < V)).to(tl.int32), axis=0)
+        ok = n >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _top_p_key(base, V, temp, zmax, min_p, kth, top_p, BLOCK_V: tl.constexpr):
+    """The top-p cut among tokens with key >= kth: the largest value t whose strictly
+    smaller tokens hold at most 1 - p of the mass (the reference drops sorted tokens while
+    the cumulative mass is <= 1 - p; the top token always stays: t <= key(zmax))."""
+    total = tl.full((), 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+        total += tl.sum(tl.where(kw >= kth, tl.exp(w - zmax), 0.0), axis=0)
+    limit = (1.0 - top_p) * total
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = _key(zmax).to(tl.int64)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        mass = tl.full((), 0.0, tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+            below = (kw >= kth) & (kw.to(tl.int64) < mid)
+            mass += tl.sum(tl.where(below, tl.exp(w - zmax), 0.0), axis=0)
+        ok = mass <= limit
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo.to(tl.int32)
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+@triton.jit
+def logits_processors_kernel(logits_ptr, row_idx_ptr, start_ptr, tok_ptr, bias_ptr, count_ptr, mode_ptr,
+                             rep_ptr, freq_ptr, pres_ptr, stride,
+                             V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_E: tl.constexpr):
+    # grid: (B,); logits: f32[*, V] (row row_idx[b]), entries start[b]..start[b+1]-1 of
+    # tok/bias/count (count -1: not seen, bias only), mode[b] 1: whitelist.
+    # Host guarantees: a token appears once per row; in whitelist mode only allowed tokens.
+    b = tl.program_id(0)
+    base = logits_ptr + tl.load(row_idx_ptr + b).to(tl.int64) * stride
+    e_lo = tl.load(start_ptr + b)
+    e_hi = tl.load(start_ptr + b + 1)
+    whitelist = tl.load(mode_ptr + b) != 0
+    rep = tl.load(rep_ptr + b)
+    freq = tl.load(freq_ptr + b)
+    pres = tl.load(pres_ptr + b)
+    for e0 in range(e_lo, e_hi, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        m = e < e_hi
+        tok = tl.load(tok_ptr + e, mask=m, other=0)
+        cnt = tl.load(count_ptr + e, mask=m, other=-1)
+        x = tl.load(base + tok, mask=m, other=0.0) + tl.load(bias_ptr + e, mask=m, other=0.0)
+        # vLLM apply_penalties: repetition on tokens of the prompt or the output (divide
+        # positive logits, multiply the others), then frequency and presence on the output.
+        seen = cnt >= 0
+        x = tl.where(seen & (x > 0), tl.math.div_rn(x, rep), tl.where(seen, x * rep, x))
+        x = tl.where(cnt > 0, x - (freq * cnt.to(tl.float32) + pres), x)
+        if whitelist:
+            tl.store(bias_ptr + e, x, mask=m)  # the bias slot (read above by this thread) keeps it
+        else:
+            tl.store(base + tok, x, mask=m)
+    if whitelist:
+        tl.debug_barrier()  # every saved value is written before the row is cleared
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            tl.store(base + cols, tl.full((BLOCK_V,), NEG_INF, tl.float32), mask=cols < V)
+        tl.debug_barrier()
+        for e0 in range(e_lo, e_hi, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            m = e < e_hi
+            tok = tl.load(tok_ptr + e, mask=m, other=0)
+            tl.store(base + tok, tl.load(bias_ptr + e, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
+def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr,
+                  masked_ptr, stride, V: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_MASKED: tl.constexpr):
+    # grid: (B,); logits: f32[*, V] processed; temp[b] 0: greedy; top_k[b] V: off; top_p[b]
+    # 1: off; seed: i64[B] Philox key of this row this step; out: i32[B].
+    # WRITE_MASKED (tests): masked[b] = z after min_p / top-k / top-p, -inf where cut.
+    b = tl.program_id(0)
+    base = logits_ptr + tl.load(row_idx_ptr + b).to(tl.int64) * stride
+    temp = tl.load(temp_ptr + b)
+    xmax, tok = _row_argmax(base, V, BLOCK_V)
+    if (temp > 0) & (xmax > NEG_INF):
+        zmax = tl.math.div_rn(xmax, temp)  # division rounds monotonically: max(x / T) = max(x) / T
+        min_p = tl.load(min_p_ptr + b)
+        k = tl.load(top_k_ptr + b)
+        top_p = tl.load(top_p_ptr + b)
+        kth = tl.full((), -2147483648, tl.int32)
+        if k < V:
+            kth = _kth_largest_key(base, V, temp, zmax, min_p, k, BLOCK_V).to(tl.int32)
+        cut = kth
+        if top_p < 1.0:
+            cut = tl.maximum(cut, _top_p_key(base, V, temp, zmax, min_p, kth, top_p, BLOCK_V))
+        # Exponential race: argmax p_i / q_i with q_i ~ Exp(1) draws i with probability p_i.
+        # p_i / q_i = exp(z_i - zmax) / (S q_i); S is common to the row. Noise is keyed by
+        # (row seed, token id), so a row's draw does not depend on its batch.
+        seed = tl.load(seed_ptr + b)
+        best = tl.full((), -1.0, tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+            keep = (kw >= cut) & (w > NEG_INF)
+            if WRITE_MASKED:
+                tl.store(masked_ptr + b.to(tl.int64) * V + cols, tl.where(keep, w, NEG_INF), mask=cols < V)
+            q = -tl.log(tl.rand(seed, cols))  # u in [0, 1): q in (0, inf]
+            score = tl.where(keep, tl.exp(w - zmax) / q, -1.0)
+            m = tl.max(score, axis=0)
+            i = tl.argmax(score, axis=0, tie_break_left=True)
+            better = m > best
+            tok = tl.where(better, v0 + i, tok)
+            best = tl.where(better, m, best)
+    tl.store(out_ptr + b, tok)
+
+
+@triton.jit
+def _logprob(base, cols, V, xmax, log_s):
+    # log_softmax as numpy's: (x - max) - log(sum(exp(x - max)))
+    x = tl.load(base + cols, mask=cols < V, other=NEG_INF)
+    return (tl.where(x != x, NEG_INF, x) - xmax) - log_s
+
+
+@triton.jit
+def logprobs_kernel(logits_ptr, row_idx_ptr, tok_ptr, tok_idx_ptr, ids_ptr, lp_ptr, rank_ptr, stride, K,
+                    V: tl.constexpr, BLOCK_V: tl.constexpr):
+    # grid: (R,); logits: f32[*, V] raw (row row_idx[r]); the given token tok[tok_idx[r]];
+    # out ids/lp/rank: [R, K+1], column 0 the given token, 1..K the top K by logprob, ties
+    # by lower id; rank = 1 + number of entries with a strictly greater logprob.
+    r = tl.program_id(0)
+    base = logits_ptr + tl.load(row_idx_ptr + r).to(tl.int64) * stride
+    tok = tl.load(tok_ptr + tl.load(tok_idx_ptr + r))
+    xmax, _ = _row_argmax(base, V, BLOCK_V)
+    s = tl.full((), 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        s += tl.sum(tl.exp(_load_row(base, cols, V) - xmax), axis=0)
+    log_s = tl.log(s)
+    tok_lp = (tl.load(base + tok) - xmax) - log_s
+    above = tl.full((), 0, tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        lp = _logprob(base, cols, V, xmax, log_s)
+        above += tl.sum(((lp > tok_lp) & (cols < V)).to(tl.int32), axis=0)
+    out = r.to(tl.int64) * (K + 1)
+    tl.store(ids_ptr + out, tok)
+    tl.store(lp_ptr + out, tok_lp)
+    tl.store(rank_ptr + out, above + 1)
+    # Top K by selection: pass c takes the largest entry after entry c-1 in the order
+    # (logprob descending, id ascending). K <= MAX_TOP_LOGPROBS passes.
+    prev_lp = tl.full((), float("inf"), tl.float32)
+    prev_id = tl.full((), -1, tl.int32)
+    prev_rank = tl.full((), 0, tl.int32)
+    for c in range(K):
+        best = tl.full((), NEG_INF, tl.float32)
+        best_id = tl.full((), V, tl.int32)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            lp = _logprob(base, cols, V, xmax, log_s)
+            cand = (cols < V) & ((lp < prev_lp) | ((lp == prev_lp) & (cols > prev_id)))
+            m = tl.max(tl.where(cand, lp, NEG_INF), axis=0)
+            i = tl.min(tl.where(cand & (lp == m), cols, V), axis=0)
+            better = (i < V) & ((best_id == V) | (m > best))
+            best_id = tl.where(better, i, best_id)
+            best = tl.where(better, m, best)
+        # entries above this one are all earlier in the list: rank = 1 + first equal position
+        rank = tl.where(best == prev_lp, prev_rank, c + 1)
+        tl.store(ids_ptr + out + 1 + c, best_id)
+        tl.store(lp_ptr + out + 1 + c, best)
+        tl.store(rank_ptr + out + 1 + c, rank)
+        prev_lp = best
+        prev_id = best_id
+        prev_rank = rank
+
+
+@triton.jit
+def copy_rows_kernel(src_ptr, row_idx_ptr, dst_ptr, stride, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    # grid: (R,); dst[r] = src[row_idx[r]], dst: f32[R, V] packed
+    r = tl.program_id(0)
+    base = src_ptr + tl.load(row_idx_ptr + r).to(tl.int64) * stride
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        tl.store(dst_ptr + r.to(tl.int64) * V + cols, tl.load(base + cols, mask=cols < V), mask=cols < V)
+
+
+# -- specs --------------------------------------------------------------------------------
+
+BLOCK_E = 128  # CSR entries per chunk
+_P = "*fp32"
+SIGNATURES = {
+    "processors": dict(logits_ptr=_P, row_idx_ptr="*i32", start_ptr="*i32", tok_ptr="*i32", bias_ptr=_P,
+                       count_ptr="*i32", mode_ptr="*i32", rep_ptr=_P, freq_ptr=_P, pres_ptr=_P, stride="i32"),
+    "sample": dict(logits_ptr=_P, row_idx_ptr="*i32", temp_ptr=_P, top_k_ptr="*i32", top_p_ptr=_P,
+                   min_p_ptr=_P, seed_ptr="*i64", out_ptr="*i32", masked_ptr=_P, stride="i32"),
+    "logprobs": dict(logits_ptr=_P, row_idx_ptr="*i32", tok_ptr="*i32", tok_idx_ptr="*i32", ids_ptr="*i32",
+                     lp_ptr=_P, rank_ptr="*i32", stride="i32", K="i32"),
+    "copy_rows": dict(src_ptr=_P, row_idx_ptr="*i32", dst_ptr=_P, stride="i32"),
+}
+_KERNELS = {"processors": "logits_processors_kernel", "sample": "sample_kernel", "logprobs": "logprobs_kernel",
+            "copy_rows": "copy_rows_kernel"}
+
+
+def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseConfig = DEFAULT_CONFIG,
+                  write_masked: bool = False) -> KernelSpec:
+    """The launch of one sampling kernel over `rows` rows of a vocabulary of `vocab`.
+    The grid is the row count of a step: a bundle records the spec once, the runtime
+    launches it with the rows it has."""
+    const = dict(V=vocab, BLOCK_V=config.block)
+    if role == "processors":
+        const["BLOCK_E"] = BLOCK_E
+    if role == "sample":
+        const["WRITE_MASKED"] = write_masked
+    sig = SIGNATURES[role]
+    return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs=const, grid=(rows,),
+                      num_warps=config.num_warps, num_stages=1,
+                      divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
+
+
+def sampler_specs(vocab: int, config: ElementwiseConfig = DEFAULT_CONFIG) -> dict[str, KernelSpec]:
+    """role -> spec: what compile_bundle compiles for a model's vocabulary."""
+    return {role: sampling_spec(role, vocab, config=config) for role in SIGNATURES}
+
+
+# -- wrappers (numpy arrays under the interpreter, device Bufs on a GPU) ---------------------
+
+def _logits(logits):
+    logits = as_buf(logits)
+    check(len(shape_of(logits)) == 2, "sampling: logits must be [rows, V]")
+    check_dtype(logits, ("float32",), "sampling logits")
+    check_inner_contiguous(logits, "sampling logits")
+    return logits
+
+
+def _i32(x):
+    return as_buf(np.ascontiguousarray(x, dtype=np.int32)) if isinstance(x, (np.ndarray, list)) else x
+
+
+def _f32(x):
+    return as_buf(np.ascontiguousarray(x, dtype=np.float32)) if isinstance(x, (np.ndarray, list)) else x
+
+
+def apply_logits_processors(logits, row_idx, start, tok, bias, count, mode, rep, freq, pres, *,
+                            config: ElementwiseConfig = DEFAULT_CONFIG):
+    """In place on logits[row_idx[b]] (f32[*, V]). `bias` is overwritten (whitelist rows
+    keep their new values there)."""
+    logits = _logits(logits)
+    n = len(row_idx)
+    spec = sampling_spec("processors", shape_of(logits)[1], n, config=config)
+    bias = as_buf(bias)
+    launch(spec, [logits, _i32(row_idx), _i32(start), _i32(tok), bias, _i32(count), _i32(mode), _f32(rep),
+                  _f32(freq), _f32(pres), strides_of(logits)[0]])
+
+
+def sample(logits, row_idx, temperature, top_k, top_p, min_p, seeds, *, masked=None,
+           config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:
+    """-> i32[B]: the token of each row; masked (f32[B, V], optional): the kept z values."""
+    logits = _logits(logits)
+    n = len(row_idx)
+    v = shape_of(logits)[1]
+    out = as_buf(np.empty(n, np.int32))
+    write = masked is not None
+    masked = as_buf(masked) if write else out  # never written when WRITE_MASKED is off
+    spec = sampling_spec("sample", v, n, config=config, write_masked=write)
+    launch(spec, [logits, _i32(row_idx), _f32(temperature), _i32(top_k), _f32(top_p), _f32(min_p),
+                  as_buf(np.ascontiguousarray(seeds, dtype=np.int64)), out, masked, strides_of(logits)[0]])
+    return out.array
+
+
+def logprobs(logits, row_idx, tokens, k: int, tok_idx=None, *,
+             config: ElementwiseConfig = DEFAULT_CONFIG) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (ids i32[R, k+1], logprobs f32[R, k+1], ranks i32[R, k+1]) as gather_logprobs."""
+    logits = _logits(logits)
+    n = len(row_idx)
+    tok_idx = np.arange(n, dtype=np.int32) if tok_idx is None else tok_idx
+    ids, lp, rank = (np.empty((n, k + 1), dt) for dt in (np.int32, np.float32, np.int32))
+    spec = sampling_spec("logprobs", shape_of(logits)[1], n, config=config)
+    launch(spec, [logits, _i32(row_idx), _i32(tokens), _i32(tok_idx), as_buf(ids), as_buf(lp), as_buf(rank),
+                  strides_of(logits)[0], int(k)])
+    return ids, lp, rank
+
+
+def copy_rows(logits, row_idx, *, config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:
+    logits = _logits(logits)
+    n, v = len(row_idx), shape_of(logits)[1]
+    out = np.empty((n, v), np.float32)
+    launch(sampling_spec("copy_rows", v, n, config=config), [logits, _i32(row_idx), as_buf(out),
+                                                             strides_of(logits)[0]])
+    return out
