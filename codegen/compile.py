@@ -11,6 +11,7 @@ from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, encode_args, input_layout, lower_bucket
 from kiln.codegen.triton.aot import cache_key, compile_specs
 from kiln.codegen.triton.configs import DEFAULT, Configs
+from kiln.codegen.triton.sampling import sampler_specs
 from kiln.graph import Graph
 from kiln.passes.plan_memory import plan_memory
 from kiln.runtime.bundle import Bundle
@@ -44,6 +45,11 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     for launches in recorded.values():
         for spec, _ in launches:
             specs.setdefault(cache_key(spec, target), spec)
+    # The sampler's kernels, for the model's vocabulary: the runtime launches them on the
+    # logits rows the plan leaves in the arena (runtime/gpu_sampler.py), by argument name.
+    sampler = sampler_specs(int(graph.tensors[graph.outputs[0]].shape[1]))
+    for spec in sampler.values():
+        specs.setdefault(cache_key(spec, target), spec)
     progress(f"compiling {len(specs)} kernels for {target}")
     compiled = dict(zip(specs, compile_specs([(s, target) for s in specs.values()])))
     kernels = {k: c.cubin for k, c in compiled.items()}
@@ -73,6 +79,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "logits": {"offset": plan.offsets[out_name], "dtype": str(graph.tensors[out_name].dtype),
                    "vocab": int(graph.tensors[out_name].shape[1])},
         "kernels": kernel_meta, "plans": plans,
+        "sampler": {role: {"kernel": cache_key(spec, target), "args": list(spec.signature)}
+                    for role, spec in sampler.items()},
         "compile_seconds": round(time.perf_counter() - t0, 2),
     }
     consts = {k: np.ascontiguousarray(v) for k, v in regions.consts.items()}

@@ -35,7 +35,7 @@ from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, launch,
                                         shape_of, strides_of)
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs; a row asking more is gathered on the host
 # Launch config of the bundle's sampling kernels: one program per row, so the block is
 # wide to keep one SM's loads in flight.
@@ -57,6 +57,17 @@ def _key(x):
     b = x.to(tl.int32, bitcast=True)
     k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
     return tl.where(x == 0.0, 0, k)
+
+
+@triton.jit
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """a * b rounded on its own: ptxas leaves mul.rn out of fma contraction, so
+    f * c + p rounds as numpy's two operations do."""
+    if INTERPRET:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
@@ -140,7 +151,8 @@ def _top_p_key(base, V, temp, zmax, min_p, kth, top_p, BLOCK_V: tl.constexpr):
 @triton.jit
 def logits_processors_kernel(logits_ptr, row_idx_ptr, start_ptr, tok_ptr, bias_ptr, count_ptr, mode_ptr,
                              rep_ptr, freq_ptr, pres_ptr, stride,
-                             V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_E: tl.constexpr):
+                             V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_E: tl.constexpr,
+                             INTERPRET: tl.constexpr):
     # grid: (B,); logits: f32[*, V] (row row_idx[b]), entries start[b]..start[b+1]-1 of
     # tok/bias/count (count -1: not seen, bias only), mode[b] 1: whitelist.
     # Host guarantees: a token appears once per row; in whitelist mode only allowed tokens.
@@ -162,7 +174,8 @@ def logits_processors_kernel(logits_ptr, row_idx_ptr, start_ptr, tok_ptr, bias_p
         # positive logits, multiply the others), then frequency and presence on the output.
         seen = cnt >= 0
         x = tl.where(seen & (x > 0), tl.math.div_rn(x, rep), tl.where(seen, x * rep, x))
-        x = tl.where(cnt > 0, x - (freq * cnt.to(tl.float32) + pres), x)
+        fc = _mul_rn(tl.zeros_like(x) + freq, cnt.to(tl.float32), INTERPRET)
+        x = tl.where(cnt > 0, x - (fc + pres), x)
         if whitelist:
             tl.store(bias_ptr + e, x, mask=m)  # the bias slot (read above by this thread) keeps it
         else:
@@ -315,7 +328,7 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
     launches it with the rows it has."""
     const = dict(V=vocab, BLOCK_V=config.block)
     if role == "processors":
-        const["BLOCK_E"] = BLOCK_E
+        const.update(BLOCK_E=BLOCK_E, INTERPRET=False)  # launch() sets INTERPRET under the interpreter
     if role == "sample":
         const["WRITE_MASKED"] = write_masked
     sig = SIGNATURES[role]
