@@ -179,6 +179,40 @@ class CudaExecutor:
             ctx.synchronize()
         return {"logits": self.host_logits[:l_].copy()}  # the pinned rows are reused next step
 
+    # -- sampling on the device: the logits rows never cross to the host ----------------------
+    def make_sampler(self, seed: int | None = None):
+        """A GpuSampler over this executor's logits rows (runtime/gpu_sampler.py); None for a
+        bundle compiled before the sampling kernels were part of bundles."""
+        if "sampler" not in self.manifest:
+            return None
+        from kiln.runtime.gpu_sampler import GpuSampler
+
+        return GpuSampler(self.ctx, self.manifest, self.kernels, self.bases["arena"] + self.logits_offset, seed=seed)
+
+    def execute_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=()):
+        """One step whose logits stay on the device: the bucket's plan as in execute(), then
+        `sampler` (make_sampler) on the same stream over logits rows `rows`; only the sampled
+        ids (and the logprobs asked for) come back. -> GpuSampler.sample's result."""
+        self._launch_step(inputs)
+        return sampler.sample(rows, metadata, seeds, prompt)
+
+    def _launch_step(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """execute() up to the logits download: stage, upload, the bucket's launches (or graph)."""
+        t, s, l_ = len(inputs["input_ids"]), len(inputs["seq_lens"]), len(inputs["logits_indices"])
+        p = self._pick(t, s, l_)
+        nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
+        ctx = self.ctx
+        ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes], sync=False)
+        if p["decode"] and self.use_cuda_graphs:
+            graph = self.graphs.get(p["name"])
+            if graph is None:
+                ctx.begin_capture()
+                self._launch_all(p)
+                graph = self.graphs[p["name"]] = ctx.end_capture()
+            ctx.replay(graph)
+        else:
+            self._launch_all(p)
+
     def _launch_all(self, p: dict) -> None:
         drv, stream = self.ctx.drv, self.ctx.stream
         for kernel, g, params in p["launches"]:

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kiln.runtime.gpu_sampler import PromptJob
 from kiln.runtime.input_batch import SeqChunk, prepare_step
 from kiln.runtime.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from kiln.runtime.sampling_metadata import SamplingMetadata
@@ -39,13 +40,18 @@ class RunnerRequestState:
 
 class ModelRunner:
     def __init__(self, executor, block_size: int, vocab_size: int, *, eos_token_ids: Sequence[int] = (),
-                 encode: Callable[[str], list[int]] | None = None, seed: int | None = None) -> None:
+                 encode: Callable[[str], list[int]] | None = None, seed: int | None = None,
+                 gpu_sampling: bool = True) -> None:
         self.executor = executor
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.encode = encode  # for bad_words; None when running on token ids only
         self.sampler = Sampler(seed)
+        # An executor that can sample where its logits are (CudaExecutor) does: only token
+        # ids and asked-for logprobs come back. The numpy Sampler stays the reference.
+        make = getattr(executor, "make_sampler", None) if gpu_sampling else None
+        self.gpu_sampler = make(seed) if make is not None else None
         self.requests: dict[str, RunnerRequestState] = {}
 
     # -- state from the scheduler's diff (see sched_output.py) --------------------------
@@ -98,6 +104,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         ids, chunks, samples = self._chunks(so)
+        if self.gpu_sampler is not None:
+            return self._execute_sampling_on_device(ids, chunks, samples)
         logits = next(iter(self.executor.execute(prepare_step(chunks, self.block_size)).values()))
         rows, prompt_lps, row = [], {}, 0
         for rid, ch, sample in zip(ids, chunks, samples):
@@ -115,11 +123,7 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(samples) if s]
         if sample_idx:
             states = [self.requests[ids[i]] for i in sample_idx]
-            md = SamplingMetadata.from_requests(
-                [s.params for s in states], [s.prompt_token_ids for s in states],
-                [s.output_token_ids for s in states], self.vocab_size,
-                generators=[s.generator for s in states],
-                bad_words_token_ids=[s.bad_words_token_ids for s in states], eos_token_ids=self.eos_token_ids)
+            md = self._metadata(states)
             out = self.sampler.sample(logits[rows], md)
             for j, i in enumerate(sample_idx):
                 tok = int(out.sampled_token_ids[j])
@@ -129,8 +133,23 @@ class ModelRunner:
                     logprobs[i] = out.logprobs.slice(j, j + 1)
         return ModelRunnerOutput(ids, sampled, logprobs, prompt_logprobs=prompt_lps)
 
+    def _metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.from_requests(
+            [s.params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], self.vocab_size,
+            generators=[s.generator for s in states],
+            bad_words_token_ids=[s.bad_words_token_ids for s in states], eos_token_ids=self.eos_token_ids)
+
     def _prompt_logprobs(self, st: RunnerRequestState, ch: SeqChunk, logits: np.ndarray) -> LogprobsTensors | None:
         """Row p of the chunk predicts prompt token start + p + 1 (vLLM: _get_prompt_logprobs_dict)."""
+        job = self._prompt_job(st, ch)
+        if job is None:
+            return None
+        skip, n, targets, k = job
+        return gather_logprobs(compute_logprobs(logits[skip:n]), k, targets)
+
+    def _prompt_job(self, st: RunnerRequestState, ch: SeqChunk):
+        """-> (first row, end row, target tokens, top k) of the chunk's rows still to score, or None."""
         prompt = st.prompt_token_ids
         skip = max(0, st.prompt_logprobs_done - ch.start_pos)
         n = min(len(ch.token_ids), len(prompt) - 1 - ch.start_pos)
@@ -140,4 +159,38 @@ class ModelRunner:
         k = st.params.prompt_logprobs
         k = self.vocab_size if k == -1 else k
         targets = np.asarray(prompt[ch.start_pos + 1 + skip: ch.start_pos + 1 + n], dtype=np.int64)
-        return gather_logprobs(compute_logprobs(logits[skip:n]), k, targets)
+        return skip, n, targets, k
+
+    def _execute_sampling_on_device(self, ids: list[str], chunks: list[SeqChunk],
+                                    samples: list[bool]) -> ModelRunnerOutput:
+        """execute_model with the logits left on the device: the executor runs the step and
+        the GpuSampler in one call, on the same rows, metadata and prompt-logprob targets."""
+        rows, jobs, prompt_lps, row = [], {}, {}, 0
+        for rid, ch, sample in zip(ids, chunks, samples):
+            if ch.all_logits:
+                job = self._prompt_job(self.requests[rid], ch)
+                prompt_lps[rid] = None
+                if job is not None:
+                    skip, _, targets, k = job
+                    jobs[rid] = PromptJob(row + skip, targets.astype(np.int32), k)
+                row += len(ch.token_ids)
+                if sample:
+                    rows.append(row - 1)
+            elif sample:
+                rows.append(row)
+                row += 1
+        sample_idx = [i for i, s in enumerate(samples) if s]
+        states = [self.requests[ids[i]] for i in sample_idx]
+        out, prompt = self.executor.execute_and_sample(
+            prepare_step(chunks, self.block_size), self.gpu_sampler, rows, self._metadata(states) if states else None,
+            seeds=[s.params.seed for s in states], prompt=list(jobs.values()))
+        prompt_lps.update(zip(jobs, prompt))
+        sampled: list[list[int]] = [[] for _ in ids]
+        logprobs: list = [None] * len(ids)
+        for j, i in enumerate(sample_idx):
+            tok = int(out.sampled_token_ids[j])
+            sampled[i] = [tok]
+            states[j].output_token_ids.append(tok)
+            if out.logprobs is not None and states[j].params.logprobs is not None:
+                logprobs[i] = out.logprobs.slice(j, j + 1)
+        return ModelRunnerOutput(ids, sampled, logprobs, prompt_logprobs=prompt_lps)

@@ -126,7 +126,8 @@ def test_top_k_top_p_min_p_masks_equal_reference_and_samples_stay_inside():
     t, k, p, mp = (np.array(c) for c in zip(*cases))
     masked = np.empty_like(logits)
     seeds = row_seeds([None] * len(cases), [0] * len(cases), rng)
-    tok = K.sample(logits, np.arange(len(cases)), t, k, p, mp, seeds, masked=masked, config=CFG)
+    two = ElementwiseConfig(block=64, num_warps=4)  # 2 chunks: ~32 passes per search in the interpreter
+    tok = K.sample(logits, np.arange(len(cases)), t, k, p, mp, seeds, masked=masked, config=two)
     for i, c in enumerate(cases):
         want = _reference_mask(logits[i], *c)
         assert np.array_equal(masked[i], want), f"case {c}: kept {np.isfinite(masked[i]).sum()}, " \
@@ -145,7 +146,7 @@ def test_random_draws_follow_the_renormalised_distribution():
     v = 12
     rng = np.random.default_rng(8)
     row = (rng.standard_normal(v) * 1.5).astype(np.float32)
-    n, temperature, min_p = 300, 0.8, 0.05
+    n, temperature, min_p = 240, 0.8, 0.05
     one = ElementwiseConfig(block=16, num_warps=4)  # one chunk: the interpreter pays per op
     seeds = row_seeds([None] * n, [0] * n, rng)
     tok = K.sample(row[None], np.zeros(n), np.full(n, temperature), np.full(n, v), np.ones(n),

@@ -1,0 +1,227 @@
+"""GpuSampler: the sampler on the logits rows a step's plan left in device memory.
+
+The numpy Sampler (runtime/sampler.py) is the semantic reference; this runs the same
+steps with the bundle's sampling kernels (manifest["sampler"], compiled from
+codegen/triton/sampling.py), on the executor's stream, right after the plan:
+
+  upload    one pinned host buffer -> one async copy: row indices, per-row knobs and
+            Philox keys, the CSR processor entries (runtime/sampler_inputs.py), prompt
+            logprob rows and targets
+  copy_rows raw copies of the sampled rows, only when some row wants logprobs (the
+            processors below work in place; vLLM computes raw logprobs before them too)
+  logprobs  prompt-logprob rows (raw: the processors never touch them)
+  processors, sample, then logprobs of the sampled tokens on the raw copies
+  download  one copy back: the sampled ids, plus the logprobs tensors when asked
+
+Top-k logprobs beyond MAX_TOP_LOGPROBS (logprobs=-1 asks for the whole vocabulary)
+are gathered on the host from downloaded raw rows instead: the kernel's top-K is K
+passes over the row.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from kiln.runtime.sampler import LogprobsTensors, SamplerOutput, compute_logprobs, gather_logprobs
+from kiln.runtime.sampler_inputs import SamplerInputs, row_seeds
+from kiln.runtime.sampling_metadata import SamplingMetadata
+
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+_ALIGN = 64  # every staged array starts 16-byte aligned (the kernels' divisibility hints) and then some
+_CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "fp32": ctypes.c_float}
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """Prompt logprobs of one chunk: logits rows first_row.. score targets (the next prompt tokens)."""
+    first_row: int
+    targets: np.ndarray  # i32[n]
+    k: int  # top logprobs wanted; the vocabulary size for -1
+
+
+class _Pinned:
+    """A pinned host buffer and its device twin, grown on demand. Growing keeps the old
+    pinned block until the context closes (CudaContext frees host memory only then); sizes
+    double, so that is less than the final size again."""
+
+    def __init__(self, ctx, nbytes: int = 1 << 16) -> None:
+        self.ctx, self.cap = ctx, 0
+        self.host, self.dev = None, 0
+        self.reserve(nbytes)
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes <= self.cap:
+            return
+        cap = max(nbytes, 2 * self.cap)
+        if self.dev:
+            self.ctx.free(self.dev)  # the previous step is complete: sample() ends with a sync
+        self.host, self.dev, self.cap = self.ctx.host_alloc(cap), self.ctx.malloc(cap), cap
+
+
+def _layout(specs: dict[str, tuple[np.dtype, int]]) -> tuple[dict[str, int], int]:
+    """name -> byte offset for arrays of (dtype, count), each aligned; and the total."""
+    offs, off = {}, 0
+    for name, (dtype, n) in specs.items():
+        offs[name] = off
+        off += -(-np.dtype(dtype).itemsize * int(n) // _ALIGN) * _ALIGN
+    return offs, off
+
+
+class GpuSampler:
+    def __init__(self, ctx, manifest: dict, kernels: dict, logits_ptr: int, seed: Optional[int] = None) -> None:
+        self.ctx = ctx
+        self.vocab = int(manifest["logits"]["vocab"])
+        self.logits_ptr = logits_ptr  # f32[L, V] rows of the last step, in the arena
+        self._rng = np.random.default_rng(seed)  # keys of unseeded rows (the numpy Sampler's only state)
+        self._roles = {role: (kernels[s["kernel"]], s["args"], manifest["kernels"][s["kernel"]]["signature"])
+                       for role, s in manifest["sampler"].items()}
+        self._in, self._out = _Pinned(ctx), _Pinned(ctx)
+        self._raw, self._raw_rows = 0, 0  # f32[rows, V] raw copies of sampled rows
+
+    # -- one step -------------------------------------------------------------------------
+    def sample(self, rows: Sequence[int], md: Optional[SamplingMetadata], seeds: Sequence[Optional[int]] = (),
+               prompt: Sequence[PromptJob] = ()) -> tuple[Optional[SamplerOutput], list[Optional[LogprobsTensors]]]:
+        """rows[b]: the logits row of sampled request b (md's row b); seeds[b]: its
+        SamplingParams.seed. -> (SamplerOutput or None without rows, prompt logprobs per job)."""
+        B, V = len(rows), self.vocab
+        if B and (md is None or md.batch_size != B or md.vocab_size != V):
+            raise ValueError(f"{B} sampled rows over a vocabulary of {V} do not match the sampling metadata")
+        k = md.max_num_logprobs if B else None
+        gpu_k = k is not None and k <= MAX_TOP_LOGPROBS
+        on_gpu = [i for i, j in enumerate(prompt) if j.k <= MAX_TOP_LOGPROBS]  # the rest: on the host
+        kp = max((prompt[i].k for i in on_gpu), default=0)
+        P = sum(len(prompt[i].targets) for i in on_gpu)
+        gpu_kp = P > 0
+
+        staged = self._stage(rows, md, seeds, [prompt[i] for i in on_gpu])
+        out_specs = {"ids": (np.int32, B)}
+        if gpu_k:
+            out_specs.update(lp_ids=(np.int32, B * (k + 1)), lp=(np.float32, B * (k + 1)), lp_rank=(np.int32, B * (k + 1)))
+        if gpu_kp:
+            out_specs.update(p_ids=(np.int32, P * (kp + 1)), p_lp=(np.float32, P * (kp + 1)),
+                             p_rank=(np.int32, P * (kp + 1)))
+        o_off, o_bytes = _layout(out_specs)
+        self._out.reserve(o_bytes)
+        out = {n: self._out.dev + off for n, off in o_off.items()}
+        stride = V
+
+        if k is not None:  # raw copies before the processors write the rows
+            self._reserve_raw(B)
+            self._launch("copy_rows", B, src_ptr=self.logits_ptr, row_idx_ptr=staged["rows"], dst_ptr=self._raw,
+                         stride=stride)
+        p_out: list[Optional[LogprobsTensors]] = [None] * len(prompt)
+        for i, j in enumerate(prompt):
+            if j.k > MAX_TOP_LOGPROBS and len(j.targets):
+                p_out[i] = self._prompt_on_host(j)
+        if gpu_kp:
+            self._launch("logprobs", P, logits_ptr=self.logits_ptr, row_idx_ptr=staged["p_rows"],
+                         tok_ptr=staged["p_tok"], tok_idx_ptr=staged["iota"], ids_ptr=out["p_ids"],
+                         lp_ptr=out["p_lp"], rank_ptr=out["p_rank"], stride=stride, K=kp)
+        if B:
+            if "start" in staged:
+                self._launch("processors", B, logits_ptr=self.logits_ptr, row_idx_ptr=staged["rows"],
+                             start_ptr=staged["start"], tok_ptr=staged["tok"], bias_ptr=staged["bias"],
+                             count_ptr=staged["count"], mode_ptr=staged["mode"], rep_ptr=staged["rep"],
+                             freq_ptr=staged["freq"], pres_ptr=staged["pres"], stride=stride)
+            self._launch("sample", B, logits_ptr=self.logits_ptr, row_idx_ptr=staged["rows"],
+                         temp_ptr=staged["temp"], top_k_ptr=staged["top_k"], top_p_ptr=staged["top_p"],
+                         min_p_ptr=staged["min_p"], seed_ptr=staged["seeds"], out_ptr=out["ids"],
+                         masked_ptr=out["ids"], stride=stride)
+        if gpu_k:
+            self._launch("logprobs", B, logits_ptr=self._raw, row_idx_ptr=staged["iota"], tok_ptr=out["ids"],
+                         tok_idx_ptr=staged["iota"], ids_ptr=out["lp_ids"], lp_ptr=out["lp"],
+                         rank_ptr=out["lp_rank"], stride=stride, K=k)
+        host = self._out.host[:o_bytes]
+        if o_bytes:
+            self.ctx.download(self._out.dev, host)  # one copy back, then the stream is idle
+        else:
+            self.ctx.synchronize()
+
+        def view(name, dtype, shape):
+            n = int(np.prod(shape))
+            return host[o_off[name]: o_off[name] + n * np.dtype(dtype).itemsize].view(dtype).reshape(shape).copy()
+
+        result = None
+        if B:
+            ids = view("ids", np.int32, (B,))
+            lp = None
+            if gpu_k:
+                lp = LogprobsTensors(view("lp_ids", np.int32, (B, k + 1)), view("lp", np.float32, (B, k + 1)),
+                                     view("lp_rank", np.int32, (B, k + 1)))
+            elif k is not None:  # a row asked for more than the kernel's top-K: gather on the host
+                raw = np.empty((B, V), np.float32)
+                self.ctx.download(self._raw, raw)
+                lp = gather_logprobs(compute_logprobs(raw), k, ids)
+            result = SamplerOutput(sampled_token_ids=ids, logprobs=lp)
+        if gpu_kp:
+            all_p = LogprobsTensors(view("p_ids", np.int32, (P, kp + 1)), view("p_lp", np.float32, (P, kp + 1)),
+                                    view("p_rank", np.int32, (P, kp + 1)))
+            start = 0
+            for i in on_gpu:
+                n, kk = len(prompt[i].targets), prompt[i].k
+                # a job keeps its own top k: the batch's extra columns are dropped
+                p_out[i] = LogprobsTensors(all_p.token_ids[start:start + n, :kk + 1],
+                                           all_p.logprobs[start:start + n, :kk + 1],
+                                           all_p.ranks[start:start + n, :kk + 1])
+                start += n
+        return result, p_out
+
+    # -- pieces ---------------------------------------------------------------------------
+    def _stage(self, rows, md, seeds, gpu_prompt: Sequence[PromptJob]) -> dict[str, int]:
+        """Pack this step's inputs into the pinned buffer, one async upload -> name: device pointer."""
+        B = len(rows)
+        arrays: dict[str, np.ndarray] = {}
+        if B:
+            inp = SamplerInputs.from_metadata(md)
+            steps = [len(t) for t in md.output_token_ids]
+            seeds = list(seeds) if len(seeds) else [None] * B
+            arrays.update(rows=np.asarray(rows, np.int32), temp=inp.temperature, top_k=inp.top_k, top_p=inp.top_p,
+                          min_p=inp.min_p, seeds=row_seeds(seeds, steps, self._rng))
+            if inp.has_processors:
+                arrays.update(start=inp.start, tok=inp.tok, bias=inp.bias, count=inp.count, mode=inp.mode,
+                              rep=inp.repetition, freq=inp.frequency, pres=inp.presence)
+        P = 0
+        if gpu_prompt:
+            arrays.update(p_rows=np.concatenate([j.first_row + np.arange(len(j.targets)) for j in gpu_prompt])
+                          .astype(np.int32),
+                          p_tok=np.concatenate([np.asarray(j.targets, np.int32) for j in gpu_prompt]))
+            P = len(arrays["p_rows"])
+        arrays["iota"] = np.arange(max(B, P, 1), dtype=np.int32)
+        offs, nbytes = _layout({n: (a.dtype, a.size) for n, a in arrays.items()})
+        self._in.reserve(nbytes)
+        buf = self._in.host
+        for name, a in arrays.items():
+            buf[offs[name]: offs[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        self.ctx.upload(self._in.dev, buf[:nbytes], sync=False)
+        return {name: self._in.dev + off for name, off in offs.items()}
+
+    def _prompt_on_host(self, j: PromptJob) -> LogprobsTensors:
+        """Prompt logprobs with more top entries than the kernel's: download the job's rows
+        (contiguous; called before the processors run, though they never touch these rows)."""
+        raw = np.empty((len(j.targets), self.vocab), np.float32)
+        self.ctx.download(self.logits_ptr + 4 * self.vocab * j.first_row, raw)
+        return gather_logprobs(compute_logprobs(raw), j.k, np.asarray(j.targets))
+
+    def _reserve_raw(self, rows: int) -> None:
+        if rows > self._raw_rows:
+            if self._raw:
+                self.ctx.free(self._raw)
+            self._raw_rows = max(rows, 2 * self._raw_rows)
+            self._raw = self.ctx.malloc(4 * self.vocab * self._raw_rows)
+
+    def _launch(self, role: str, grid: int, **args) -> None:
+        kernel, names, sig = self._roles[role]
+        vals, types = [], []
+        for name, ty in zip(names, sig):
+            vals.append(int(args[name]) if ty.startswith("*") or ty.startswith("i") else float(args[name]))
+            types.append(ctypes.c_void_p if ty.startswith("*") else _CTYPES[ty])
+        vals += [0] * kernel.num_scratch
+        types += [ctypes.c_void_p] * kernel.num_scratch
+        drv = self.ctx.drv
+        err, = drv.cuLaunchKernel(kernel.function, grid, 1, 1, 32 * kernel.num_warps, 1, 1, kernel.shared,
+                                  self.ctx.stream, (tuple(vals), tuple(types)), 0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"launching {kernel.name} failed: {err}")

@@ -1,0 +1,163 @@
+"""runtime/gpu_sampler.py on this CPU machine: its staging, launches and downloads run
+against a stand-in CUDA context whose "device" memory is host memory and whose
+cuLaunchKernel runs the sampling kernels in the Triton interpreter. What the real
+device adds (streams, cubins) the GPU tests cover (tests/gpu/test_gpu_sampling.py)."""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kiln.codegen.triton import sampling as K
+from kiln.codegen.triton.configs import ElementwiseConfig
+from kiln.codegen.triton.launch import Buf, _interpreter_compat, kernel_fn
+from kiln.runtime.cuda_driver import Kernel
+from kiln.runtime.gpu_sampler import GpuSampler, PromptJob
+from kiln.runtime.sampler import Sampler, compute_logprobs, gather_logprobs
+from kiln.runtime.sampling_metadata import SamplingMetadata
+from kiln.runtime.sampling_params import SamplingParams
+from tests.codegen.helpers import require_interpreter
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+_NP = {"*fp32": np.float32, "*i32": np.int32, "*i64": np.int64}
+
+
+@pytest.fixture
+def interpreter():
+    require_interpreter()
+
+
+class HostDevice:
+    """The few CudaContext calls GpuSampler makes, on host memory."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, np.ndarray] = {}
+        self.stream = None
+        self.drv = SimpleNamespace(cuLaunchKernel=self._launch, CUresult=SimpleNamespace(CUDA_SUCCESS=0))
+        self.launched: list[str] = []
+
+    def host_alloc(self, nbytes):
+        return np.zeros(max(int(nbytes), 1), np.uint8)
+
+    def malloc(self, nbytes):
+        a = np.zeros(max(int(nbytes), 1), np.uint8)
+        self.blocks[a.ctypes.data] = a
+        return a.ctypes.data
+
+    def free(self, ptr):
+        del self.blocks[ptr]
+
+    def upload(self, ptr, host, sync=True):
+        host = np.ascontiguousarray(host)
+        ctypes.memmove(ptr, host.ctypes.data, host.nbytes)
+
+    def download(self, ptr, out):
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+        return out
+
+    def synchronize(self):
+        pass
+
+    def _launch(self, spec, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        vals, _ = params
+        args = [Buf(ptr=v, shape=(1,), dtype=_NP[t]) if t.startswith("*") else v
+                for t, v in zip(spec.signature.values(), vals)]
+        _interpreter_compat()
+        fn = kernel_fn(spec)
+        kw = dict(spec.constexprs, **({"INTERPRET": True} if "INTERPRET" in fn.arg_names else {}))
+        fn[(gx,)](*args, **kw)
+        self.launched.append(spec.kernel)
+        return (0,)
+
+
+def host_sampler(dev: HostDevice, vocab: int, logits_ptr: int, seed=0, block=32) -> GpuSampler:
+    """A GpuSampler as CudaExecutor.make_sampler builds it, its kernels from the specs a bundle records."""
+    specs = K.sampler_specs(vocab, ElementwiseConfig(block=block, num_warps=4))
+    manifest = {"logits": {"vocab": vocab},
+                "sampler": {r: {"kernel": r, "args": list(s.signature)} for r, s in specs.items()},
+                "kernels": {r: {"signature": list(s.signature.values())} for r, s in specs.items()}}
+    kernels = {r: Kernel(s.kernel, s, s.num_warps, 0, 0) for r, s in specs.items()}
+    return GpuSampler(dev, manifest, kernels, logits_ptr, seed=seed)
+
+
+def test_one_step_equals_the_numpy_sampler():
+    V, rng = 61, np.random.default_rng(4)
+    dev = HostDevice()
+    logits = (rng.standard_normal((7, V)) * 3).astype(np.float32)
+    ptr = dev.malloc(logits.nbytes)
+    dev.upload(ptr, logits)
+    params = [SamplingParams(temperature=0, logprobs=3, logit_bias={4: 5.0}, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, top_k=6, seed=5, logprobs=0),
+              SamplingParams(temperature=0, allowed_token_ids=[1, 2, 30], presence_penalty=0.5),
+              SamplingParams(temperature=1.1, top_p=0.7, min_p=0.02)]
+    prompts = [rng.integers(0, V, 9).tolist() for _ in params]
+    outputs = [rng.integers(0, V, 4).tolist() for _ in params]
+    md = SamplingMetadata.from_requests(params, prompts, outputs, V, generators=[p.new_generator() for p in params])
+    rows = [1, 3, 4, 6]
+    jobs = [PromptJob(0, np.array([3, 9], np.int32), 2), PromptJob(5, np.array([7], np.int32), V)]  # V: on the host
+    sampler = host_sampler(dev, V, ptr)
+    out, prompt = sampler.sample(rows, md, [p.seed for p in params], jobs)
+
+    processed = dev.blocks[ptr].view(np.float32).reshape(7, V)
+    assert np.array_equal(processed[rows], Sampler.apply_logits_processors(logits[rows], md))
+    ids = out.sampled_token_ids
+    assert ids[0] == processed[1].argmax() and ids[2] == processed[4].argmax()
+    assert ids[2] in (1, 2, 30)
+    want = gather_logprobs(compute_logprobs(logits[rows]), 3, ids)  # raw logprobs, as vLLM's default
+    assert out.logprobs.token_ids.tolist() == want.token_ids.tolist()
+    assert out.logprobs.ranks.tolist() == want.ranks.tolist()
+    np.testing.assert_allclose(out.logprobs.logprobs, want.logprobs, atol=2e-6, rtol=0)
+    for job, got in zip(jobs, prompt):
+        n = len(job.targets)
+        ref = gather_logprobs(compute_logprobs(logits[job.first_row:job.first_row + n]), job.k, job.targets)
+        assert got.token_ids.tolist() == ref.token_ids.tolist() and got.ranks.tolist() == ref.ranks.tolist()
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=2e-6, rtol=0)
+    assert dev.launched.count("logprobs_kernel") == 2  # sampled rows and the first job; the second on the host
+    # the seeded row draws the same alone, in another position, with other neighbours
+    dev.upload(ptr, logits)
+    md1 = SamplingMetadata.from_requests(params[1:2], prompts[1:2], outputs[1:2], V,
+                                         generators=[params[1].new_generator()])
+    alone, _ = host_sampler(dev, V, ptr, seed=99).sample([3], md1, [5])
+    assert alone.sampled_token_ids[0] == ids[1]
+
+
+def test_llm_tokens_and_logprobs_equal_the_cpu_path(tmp_path):
+    """The model runner's device path (execute_and_sample) on a tiny CPU model: the same
+    greedy tokens, logprobs and prompt logprobs as its numpy path."""
+    pytest.importorskip("torch")
+    from kiln import LLM
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path, "llama_gqa_untied")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in (3, 9, 14)]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                        repetition_penalty=1.2)
+    cpu = LLM(tmp_path, skip_tokenizer_init=True, max_num_batched_tokens=16, kv_cache_tokens=1024)
+    want = cpu.generate(prompts, sp)
+
+    llm = LLM(tmp_path, skip_tokenizer_init=True, max_num_batched_tokens=16, kv_cache_tokens=1024)
+    runner = llm.engine.core.runner
+    dev, cpu_executor = HostDevice(), runner.executor
+    logits_ptr = dev.malloc(4 * 256 * 64)
+
+    class DeviceLogits:  # the CPU executor's logits written to "device" memory, then the GpuSampler
+        num_blocks = cpu_executor.num_blocks
+
+        def execute_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=()):
+            logits = next(iter(cpu_executor.execute(inputs).values()))
+            dev.upload(logits_ptr, np.ascontiguousarray(logits, np.float32))
+            return sampler.sample(rows, md, seeds, prompt)
+
+    runner.executor, runner.gpu_sampler = DeviceLogits(), host_sampler(dev, 256, logits_ptr, block=128)
+    got = llm.generate(prompts, sp)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(g.prompt_token_ids)
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and all(a[t].rank == b[t].rank for t in a)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
