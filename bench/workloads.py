@@ -1,0 +1,288 @@
+"""The performance issue's workloads, run through kiln's public APIs (`kiln.LLM`, `build.py
+serve`) with token-id prompts, greedy sampling, EOS ignored and fixed lengths:
+
+    decode       batch-1 decode at --context 512 for --steps 128 (tok/s; the weight-bytes roofline at
+                 the copy bandwidth measured in the same run; on a GPU also the bare graph-replay time)
+    prefill      one --input-len 2048 prompt (tok/s, from the engine's time to first token)
+    throughput   --num-requests 1000 of --input-len 1000 and --output-len 1000 at once (output tok/s)
+    random-256   256 requests, input and output lengths uniform in [--min-len 100, 1024] (seeded)
+    server       `build.py serve` at each --concurrency 1 8 32 128, max(4, 2C) requests of --input-len 512
+                 and --output-len 256 per level: TTFT, TPOT, output tok/s, next to the offline engine on
+                 the same requests (bench/server_workload.py); its value is the top level's output tok/s
+    cold-start   `build.py compile` cold and cached, then engine init + first request in a fresh
+                 process (bench/cold_start.py)
+
+Each workload returns its fields; run_bench adds {workload, commit, gpu, command, peers}, prints a
+line and writes --json. Every workload checks that each request produced exactly the tokens asked
+for: a benchmark that generated less would report a speed it never ran at.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import KilnError
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build.py"
+
+DEFAULTS = {
+    "decode": dict(context=512, steps=128, repeats=3),
+    "prefill": dict(input_len=2048, repeats=3),
+    "throughput": dict(num_requests=1000, input_len=1000, output_len=1000),
+    "random-256": dict(num_requests=256, min_len=100, input_len=1024, output_len=1024),
+    "server": dict(concurrency=[1, 8, 32, 128], input_len=512, output_len=256),
+    "cold-start": dict(input_len=16, output_len=2),
+}
+SIZE_FLAGS = ("num_requests", "input_len", "output_len", "min_len", "concurrency", "context", "steps", "repeats")
+BANDWIDTH_DEFINITION = ("read + write: 2 x bytes copied / time (as nvidia's bandwidthTest counts a device copy; "
+                        "the issue's 4.27 TB/s for the H200 is this count, under its 4.8 TB/s HBM peak)")
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    a = argparse.Namespace(**vars(args))
+    for k, v in DEFAULTS[a.workload].items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+    for k in SIZE_FLAGS:
+        v = getattr(a, k, None)
+        if v is not None and any(x < 1 for x in (v if isinstance(v, list) else [v])):
+            raise KilnError(f"--{k.replace('_', '-')} must be at least 1")
+    return a
+
+
+# -- helpers shared by the workloads ---------------------------------------------------------------
+
+def greedy(max_tokens: int):
+    from kiln import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
+    """Token ids past the three specials of make_random_model's vocabulary (<unk>, <s>, </s>)."""
+    return [rng.integers(min(3, vocab - 1), vocab, size=int(n)).tolist() for n in lengths]
+
+
+def check_lengths(outs, expected) -> int:
+    """-> tokens produced; a request that made a different number is an error of the run."""
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    bad = [(g, e) for g, e in zip(got, expected) if g != e]
+    if bad:
+        raise KilnError(f"{len(bad)} of {len(got)} requests produced the wrong number of tokens "
+                        f"(first: {bad[0][0]} instead of {bad[0][1]})")
+    return sum(got)
+
+
+def check_fits(a, input_len: int, output_len: int) -> None:
+    if input_len + output_len > a.max_model_len:
+        raise KilnError(f"{input_len} prompt + {output_len} output tokens exceed --max-model-len {a.max_model_len}")
+
+
+def summary_ms(seconds: list[float]) -> dict:
+    xs = [s * 1e3 for s in seconds if s is not None]
+    if not xs:
+        return {"median": None, "mean": None, "p99": None}
+    return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "p99": float(np.percentile(xs, 99))}
+
+
+@contextmanager
+def engine(a):
+    from kiln import LLM
+
+    llm = LLM(a.model, target=a.target, bundle_dir=a.bundle, max_model_len=a.max_model_len,
+              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+              kv_cache_tokens=a.kv_cache_tokens)
+    try:
+        yield llm
+    finally:
+        if a.target != "cpu":
+            llm.model.executor.close()  # give the GPU memory back before the next engine or server
+
+
+class _TokenBar:
+    """A stat logger (runtime/stats.py) that moves a tqdm bar by the tokens sampled each step."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.bar.update(iteration_stats.num_generation_tokens)
+
+
+@contextmanager
+def progress(llm, a, total: int, desc: str):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tok", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
+    logger = _TokenBar(bar)
+    llm.engine.stat_loggers.append(logger)
+    try:
+        yield bar
+    finally:
+        llm.engine.stat_loggers.remove(logger)
+        bar.close()
+
+
+def weight_bytes_per_token(llm) -> int:
+    """Bytes of weights one decode token reads: all of them, except that an untied embedding table
+    gives one row (a tied one is read whole by the LM head)."""
+    from kiln.graph import to_numpy
+
+    weights = {t.name: to_numpy(t.dtype).itemsize * int(np.prod(t.shape)) for t in llm.model.graph.weights}
+    total = sum(weights.values())
+    embed = "model.embed_tokens.weight"
+    if "lm_head.weight" in weights and embed in weights:
+        cfg = llm.model.source.config
+        total -= weights[embed] - weights[embed] // cfg.vocab_size
+    return total
+
+
+# -- the workloads ---------------------------------------------------------------------------------
+
+def decode(a) -> dict:
+    from kiln.bench.device import copy_bandwidth
+
+    check_fits(a, a.context, a.steps + 1)
+    bandwidth = copy_bandwidth(a.target)  # before the engine takes the memory
+    rng = np.random.default_rng(a.seed)
+    with engine(a) as llm:
+        vocab = llm.engine.vocab_size
+        llm.generate(random_prompts(rng, [8], vocab), greedy(4))  # warm-up: the batch-1 graph is captured
+        tpots, produced = [], 0
+        with progress(llm, a, a.repeats * (a.steps + 1), "decode"):
+            for _ in range(a.repeats):
+                out = llm.generate(random_prompts(rng, [a.context], vocab), greedy(a.steps + 1))
+                produced += check_lengths(out, [a.steps + 1])
+                tpots.append(out[0].metrics.tpot)  # (last token - first token) / steps: decode steps only
+        res = {"metric": "decode_tok_s", "value": 1 / statistics.median(tpots)}
+        nbytes = weight_bytes_per_token(llm)
+        res["roofline"] = {"tok_s": bandwidth / nbytes, "weight_bytes_per_token": nbytes,
+                           "copy_bandwidth_GBps": bandwidth / 1e9, "bandwidth_counts": BANDWIDTH_DEFINITION}
+        if a.target != "cpu":
+            from kiln.bench.device import gpu_only_decode_ms
+
+            ms = gpu_only_decode_ms(llm.model.executor)  # the graph replays the last step's inputs
+            res.update(gpu_decode_ms=ms, gpu_decode_tok_s=1e3 / ms if ms else None)
+    res.update(decode_ms=1e3 * statistics.median(tpots), runs_tok_s=[1 / t for t in tpots], context=a.context,
+               steps=a.steps, repeats=a.repeats, output_tokens=produced,
+               expected_output_tokens=a.repeats * (a.steps + 1))
+    return res
+
+
+def prefill(a) -> dict:
+    check_fits(a, a.input_len, 1)
+    rng = np.random.default_rng(a.seed)
+    with engine(a) as llm:
+        vocab = llm.engine.vocab_size
+        llm.generate(random_prompts(rng, [a.input_len], vocab), greedy(1))  # warm-up at the same size
+        ttfts, produced = [], 0
+        with progress(llm, a, a.repeats, "prefill"):
+            for _ in range(a.repeats):  # fresh random prompts: no prefix-cache hits
+                out = llm.generate(random_prompts(rng, [a.input_len], vocab), greedy(1))
+                produced += check_lengths(out, [1])
+                ttfts.append(out[0].metrics.ttft)
+    ttft = statistics.median(ttfts)
+    return {"metric": "prefill_tok_s", "value": a.input_len / ttft, "roofline": None, "ttft_ms": ttft * 1e3,
+            "runs_tok_s": [a.input_len / t for t in ttfts], "input_len": a.input_len, "repeats": a.repeats,
+            "output_tokens": produced, "expected_output_tokens": a.repeats}
+
+
+def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
+    rng = np.random.default_rng(a.seed)
+    with engine(a) as llm:
+        vocab = llm.engine.vocab_size
+        prompts = random_prompts(rng, in_lens, vocab)
+        llm.generate(random_prompts(rng, [8], vocab), greedy(4))  # warm-up
+        with progress(llm, a, sum(out_lens), desc):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, [greedy(n) for n in out_lens])
+            wall = time.perf_counter() - t0
+    produced = check_lengths(outs, out_lens)
+    return {"metric": "output_tok_s", "value": produced / wall, "roofline": None,
+            "total_tok_s": (sum(in_lens) + produced) / wall, "requests_per_s": len(outs) / wall, "wall_s": wall,
+            "ttft_ms": summary_ms([o.metrics.ttft for o in outs]),
+            "tpot_ms": summary_ms([o.metrics.tpot for o in outs]),
+            "num_requests": len(outs), "input_tokens": sum(in_lens), "output_tokens": produced,
+            "expected_output_tokens": sum(out_lens)}
+
+
+def throughput(a) -> dict:
+    check_fits(a, a.input_len, a.output_len)
+    res = offline(a, [a.input_len] * a.num_requests, [a.output_len] * a.num_requests, "throughput")
+    return {**res, "input_len": a.input_len, "output_len": a.output_len}
+
+
+def random_256(a) -> dict:
+    if a.min_len > min(a.input_len, a.output_len):
+        raise KilnError("--min-len must not exceed --input-len and --output-len (the upper bounds)")
+    check_fits(a, a.input_len, a.output_len)
+    rng = np.random.default_rng(a.seed + 1)  # the lengths; the prompts' ids come from a.seed
+    in_lens = rng.integers(a.min_len, a.input_len + 1, size=a.num_requests).tolist()
+    out_lens = rng.integers(a.min_len, a.output_len + 1, size=a.num_requests).tolist()
+    res = offline(a, in_lens, out_lens, "random")
+    return {**res, "min_len": a.min_len, "max_input_len": a.input_len, "max_output_len": a.output_len,
+            "seed": a.seed}
+
+
+def server(a) -> dict:
+    from kiln.bench.server_workload import run_server_workload
+
+    check_fits(a, a.input_len, a.output_len)
+    return run_server_workload(a)
+
+
+def cold_start(a) -> dict:
+    from kiln.bench.cold_start import run_cold_start
+
+    return run_cold_start(a)
+
+
+WORKLOADS = {"decode": decode, "prefill": prefill, "throughput": throughput, "random-256": random_256,
+             "server": server, "cold-start": cold_start}
+
+
+# -- the common fields, peers, output ---------------------------------------------------------------
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from kiln.bench.cli import command_line
+    from kiln.bench.device import device_name
+    from kiln.bench.peer_runner import read_peer_json, run_peers
+
+    a = with_defaults(args)
+    peers = {**run_peers(a), **read_peer_json(a.peer_json, a.workload)}
+    res = WORKLOADS[a.workload](a)
+    record = {"workload": a.workload, "commit": git_commit(), "gpu": device_name(a.target),
+              "metric": res.pop("metric"), "value": res.pop("value"), "roofline": res.pop("roofline", None),
+              "peers": peers, "command": command_line(args), "model": a.model, "target": a.target,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
+    line = f"[kiln] {a.workload}: {record['metric']} = {record['value']:.2f}"
+    if record["roofline"]:
+        line += f" (roofline {record['roofline']['tok_s']:.1f} at {record['roofline']['copy_bandwidth_GBps']:.0f} GB/s)"
+    for name, p in peers.items():
+        line += f"; {name}: {p['value']:.2f}"
+    print(line, flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(record, indent=1) + "\n")
+    return 0

@@ -1,0 +1,164 @@
+"""The benchmark harness (`build.py bench`, bench/) scaled down on CPU: every workload on a tiny
+random checkpoint written by bench/make_random_model.py, the JSON it records, and that the engine
+made exactly the tokens asked for; the transformers peer on CPU; the plot and the table."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.bench.make_random_model import make_random_model
+from kiln.build import main
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = ["workload", "commit", "gpu", "metric", "value", "roofline", "peers", "command"]
+SMALL = ["--num-requests", "3", "--input-len", "12", "--output-len", "5", "--min-len", "2",
+         "--context", "10", "--steps", "4", "--repeats", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    # shards of ~100 kB: the tiny model is written as three shards and an index, as the 8B is
+    return make_random_model("tiny-llama", tmp_path_factory.mktemp("tiny_random"), shard_gb=1e-4)
+
+
+def run_bench(tmp_path: Path, model: Path, workload: str, *extra: str) -> dict:
+    out = tmp_path / f"{workload}.json"
+    assert main(["bench", "--workload", workload, "--model", str(model), "--json", str(out), *SMALL, *extra]) == 0
+    rec = json.loads(out.read_text())
+    assert list(rec)[:len(SCHEMA)] == SCHEMA
+    assert rec["workload"] == workload and rec["gpu"] == "cpu" and rec["value"] > 0
+    assert rec["command"].startswith(f"python build.py bench --workload {workload} --model ")
+    assert rec["output_tokens"] == rec["expected_output_tokens"]
+    return rec
+
+
+def test_random_checkpoint_loads_in_kiln(tiny_ckpt):
+    from kiln.models.source import open_model
+    from kiln.runtime.tokenizer import Tokenizer
+
+    index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    src = open_model(tiny_ckpt)
+    assert src.config.vocab_size == 320 and src.config.num_hidden_layers == 2
+    w = src.weights.get("model.layers.0.mlp.up_proj.weight")
+    assert w.shape == (128, 64) and 0.015 < float(w.astype("f4").std()) < 0.025
+    assert (src.weights.get("model.norm.weight").astype("f4") == 1).all()
+    tok = Tokenizer.from_dir(tiny_ckpt)
+    assert tok.vocab_size == 320 and tok.eos_token_ids == {2}
+    assert tok.decode([5, 6, 2]) == "t5 t6" and tok.encode("t7 t8", add_special_tokens=False) == [7, 8]
+
+
+def test_random_checkpoint_loads_in_transformers(tiny_ckpt):
+    import torch
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.bfloat16,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert (model.model.norm.weight == 1).all() and model.lm_head.weight.shape == (320, 64)
+
+
+def test_decode(tmp_path, tiny_ckpt):
+    rec = run_bench(tmp_path, tiny_ckpt, "decode")
+    assert rec["metric"] == "decode_tok_s" and rec["output_tokens"] == 2 * (4 + 1)
+    roof = rec["roofline"]
+    # f32 on the numpy target: every weight but the embedding table's unread rows
+    assert roof["weight_bytes_per_token"] == 4 * (2 * (64 + 4 * 16 * 64 * 2 + 2 * 16 * 64 * 2 + 64 + 3 * 64 * 128)
+                                                  + 64 + 320 * 64 + 64)
+    assert roof["tok_s"] == pytest.approx(roof["copy_bandwidth_GBps"] * 1e9 / roof["weight_bytes_per_token"])
+
+
+def test_prefill(tmp_path, tiny_ckpt):
+    rec = run_bench(tmp_path, tiny_ckpt, "prefill")
+    assert rec["metric"] == "prefill_tok_s" and rec["input_len"] == 12 and rec["output_tokens"] == 2
+
+
+def test_throughput(tmp_path, tiny_ckpt):
+    rec = run_bench(tmp_path, tiny_ckpt, "throughput")
+    assert rec["metric"] == "output_tok_s" and rec["num_requests"] == 3
+    assert rec["output_tokens"] == 15 and rec["input_tokens"] == 36
+
+
+def test_random_256_is_seeded(tmp_path, tiny_ckpt):
+    a = run_bench(tmp_path, tiny_ckpt, "random-256", "--num-requests", "6")
+    b = run_bench(tmp_path, tiny_ckpt, "random-256", "--num-requests", "6")
+    assert a["num_requests"] == 6 and a["input_tokens"] == b["input_tokens"]
+    assert a["expected_output_tokens"] == b["expected_output_tokens"]
+    assert 6 * 2 <= a["output_tokens"] <= 6 * 5 and 6 * 2 <= a["input_tokens"] <= 6 * 12
+
+
+def test_cold_start(tmp_path, tiny_ckpt):
+    rec = run_bench(tmp_path, tiny_ckpt, "cold-start")
+    assert rec["metric"] == "cold_start_s"
+    assert set(rec["compile_s"]) == {"cold", "warm_kernels", "cached_bundle"}
+    assert rec["value"] == pytest.approx(rec["import_s"] + rec["engine_init_s"] + rec["first_request_s"])
+
+
+def test_server_through_the_cli(tmp_path, tiny_ckpt):
+    """As a user runs it: `python build.py bench` in a process of its own, `build.py serve` under it."""
+    out = tmp_path / "server.json"
+    cmd = [sys.executable, str(REPO / "build.py"), "bench", "--workload", "server", "--model", str(tiny_ckpt),
+           "--concurrency", "1", "2", "--json", str(out), *SMALL]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert list(rec)[:len(SCHEMA)] == SCHEMA and rec["metric"] == "output_tok_s"
+    assert [lv["concurrency"] for lv in rec["levels"]] == [1, 2]
+    for lv in rec["levels"]:
+        for side in ("server", "offline"):
+            s = lv[side]
+            assert s["num_requests"] == 3 and s["output_tokens"] == 15
+            assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["median"] > 0 and s["output_tok_s"] > 0
+    assert rec["value"] == rec["levels"][-1]["server"]["output_tok_s"]
+    assert "[kiln] server: output_tok_s" in proc.stdout
+
+
+def test_peer_in_the_same_run(tmp_path, tiny_ckpt):
+    rec = run_bench(tmp_path, tiny_ckpt, "decode", "--peers", "hf-eager", "--repeats", "1")
+    peer = rec["peers"]["hf-eager"]
+    assert peer["engine"] == "transformers-eager" and peer["metric"] == "decode_tok_s" and peer["value"] > 0
+    assert "--context 10 --steps 4" in peer["command"]
+
+
+def test_peer_static_cache_compiled_step(tmp_path, tiny_ckpt):
+    """The gpt-fast recipe traces as one graph (backend eager: inductor's compile is minutes on CPU)."""
+    out = tmp_path / "peer.json"
+    cmd = [sys.executable, str(REPO / "bench" / "peers" / "hf_gpu.py"), "--model", str(tiny_ckpt), "--device", "cpu",
+           "--workload", "decode", "--compile", "--compile-backend", "eager", "--context", "10", "--steps", "4",
+           "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert list(rec)[:len(SCHEMA)] == SCHEMA
+    assert rec["engine"] == "transformers-compile" and rec["compile"]["fullgraph"] and rec["value"] > 0
+    # read back by build.py bench as a peer of the same workload, ignored by another
+    from kiln.bench.peer_runner import read_peer_json
+
+    assert read_peer_json([str(out)], "decode")["transformers-compile"]["value"] == rec["value"]
+    assert read_peer_json([str(out)], "prefill") == {}
+
+
+def test_lengths_past_the_context_are_one_sentence(tmp_path, tiny_ckpt, capsys):
+    assert main(["bench", "--workload", "throughput", "--model", str(tiny_ckpt), "--input-len", "4000",
+                 "--output-len", "200", "--num-requests", "1"]) == 1
+    assert "exceed --max-model-len 4096" in capsys.readouterr().err
+
+
+def test_plot_and_table(tmp_path):
+    from kiln.bench.plot import main as plot_main
+
+    level = {"ttft_ms": {"median": 20.0}, "tpot_ms": {"median": 9.0}, "output_tok_s": 100.0}
+    rec = {"workload": "server", "commit": "abc", "gpu": "cpu", "metric": "output_tok_s", "value": 100.0,
+           "roofline": None, "peers": {}, "command": "x", "input_len": 8, "output_len": 4,
+           "levels": [{"concurrency": c, "server": {**level, "concurrency": c},
+                       "offline": {**level, "concurrency": c}} for c in (1, 8)]}
+    f = tmp_path / "server.json"
+    f.write_text(json.dumps(rec))
+    assert plot_main([str(f), "--markdown"]) == 0
+    pytest.importorskip("matplotlib")
+    assert plot_main([str(f), "--out", str(tmp_path / "server.png")]) == 0
+    assert (tmp_path / "server.png").stat().st_size > 1000
