@@ -216,7 +216,7 @@ class GpuSampler:
         kernel, names, sig = self._roles[role]
         vals, types = [], []
         for name, ty in zip(names, sig):
-            vals.append(int(args[name]) if ty.startswith("*") or ty.startswith("i") else float(args[name]))
+            vals.append(int(args[name]) if ty.startswith(("*", "i")) else float(args[name]))
             types.append(ctypes.c_void_p if ty.startswith("*") else _CTYPES[ty])
         vals += [0] * kernel.num_scratch
         types += [ctypes.c_void_p] * kernel.num_scratch

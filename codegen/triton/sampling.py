@@ -36,7 +36,6 @@ from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, 
                                         shape_of, strides_of)
 
 NEG_INF = tl.constexpr(float("-inf"))
-MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs; a row asking more is gathered on the host
 # Launch config of the bundle's sampling kernels: one program per row, so the block is
 # wide to keep one SM's loads in flight.
 DEFAULT_CONFIG = ElementwiseConfig(block=2048, num_warps=8)
@@ -71,20 +70,27 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _first_max(best, best_idx, V):
+    """Reduce per-lane (value, index) to the largest value and its lowest index. Every pass
+    keeps a running best per lane and reduces once at its end: no barrier per chunk."""
+    m = tl.max(best, axis=0)
+    return m, tl.min(tl.where(best == m, best_idx, V), axis=0)
+
+
+@triton.jit
 def _row_argmax(base, V, BLOCK_V: tl.constexpr):
     """(max, index of its first occurrence); a row of -inf gives (-inf, 0) as numpy."""
-    best = tl.full((), NEG_INF, tl.float32)
-    best_idx = tl.full((), 0, tl.int32)
+    best = tl.full((BLOCK_V,), NEG_INF, tl.float32)
+    best_idx = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(base + cols, mask=cols < V, other=NEG_INF)
         x = tl.where(x != x, NEG_INF, x)  # NaN never wins
-        m = tl.max(x, axis=0)
-        i = tl.argmax(x, axis=0, tie_break_left=True)
-        better = m > best  # strictly: an earlier chunk keeps a tie
-        best_idx = tl.where(better, v0 + i, best_idx)
-        best = tl.where(better, m, best)
-    return best, best_idx
+        better = x > best  # strictly: a lane keeps its earliest maximum
+        best_idx = tl.where(better, cols, best_idx)
+        best = tl.where(better, x, best)
+    m, i = _first_max(best, best_idx, V)
+    return m, tl.where(m > NEG_INF, i, 0)
 
 
 @triton.jit
@@ -107,13 +113,14 @@ def _kth_largest_key(base, V, temp, zmax, min_p, k, BLOCK_V: tl.constexpr):
     lo = tl.full((), -2147483648, tl.int64)
     hi = _key(zmax).to(tl.int64)
     while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        n = tl.full((), 0, tl.int32)
+        mid = lo + (hi - lo + 1) // 2  # in int32 range: lo <= mid <= hi
+        t = mid.to(tl.int32)
+        n = tl.zeros((BLOCK_V,), tl.int32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            w, kw = _scaled(base, cols, V, temp, zmax, min_p)
-            n += tl.sum(((kw.to(tl.int64) >= mid) & (cols < V)).to(tl.int32), axis=0)
-        ok = n >= k
+            _, kw = _scaled(base, cols, V, temp, zmax, min_p)
+            n += ((kw >= t) & (cols < V)).to(tl.int32)
+        ok = tl.sum(n, axis=0) >= k
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo
@@ -124,23 +131,23 @@ def _top_p_key(base, V, temp, zmax, min_p, kth, top_p, BLOCK_V: tl.constexpr):
     """The top-p cut among tokens with key >= kth: the largest value t whose strictly
     smaller tokens hold at most 1 - p of the mass (the reference drops sorted tokens while
     the cumulative mass is <= 1 - p; the top token always stays: t <= key(zmax))."""
-    total = tl.full((), 0.0, tl.float32)
+    total = tl.zeros((BLOCK_V,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         w, kw = _scaled(base, cols, V, temp, zmax, min_p)
-        total += tl.sum(tl.where(kw >= kth, tl.exp(w - zmax), 0.0), axis=0)
-    limit = (1.0 - top_p) * total
+        total += tl.where(kw >= kth, tl.exp(w - zmax), 0.0)
+    limit = (1.0 - top_p) * tl.sum(total, axis=0)
     lo = tl.full((), -2147483648, tl.int64)
     hi = _key(zmax).to(tl.int64)
     while lo < hi:
         mid = lo + (hi - lo + 1) // 2
-        mass = tl.full((), 0.0, tl.float32)
+        t = mid.to(tl.int32)
+        mass = tl.zeros((BLOCK_V,), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             w, kw = _scaled(base, cols, V, temp, zmax, min_p)
-            below = (kw >= kth) & (kw.to(tl.int64) < mid)
-            mass += tl.sum(tl.where(below, tl.exp(w - zmax), 0.0), axis=0)
-        ok = mass <= limit
+            mass += tl.where((kw >= kth) & (kw < t), tl.exp(w - zmax), 0.0)
+        ok = tl.sum(mass, axis=0) <= limit
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     return lo.to(tl.int32)
@@ -218,7 +225,8 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
         # p_i / q_i = exp(z_i - zmax) / (S q_i); S is common to the row. Noise is keyed by
         # (row seed, token id), so a row's draw does not depend on its batch.
         seed = tl.load(seed_ptr + b)
-        best = tl.full((), -1.0, tl.float32)
+        best = tl.full((BLOCK_V,), -1.0, tl.float32)
+        best_idx = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             w, kw = _scaled(base, cols, V, temp, zmax, min_p)
@@ -227,11 +235,11 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
                 tl.store(masked_ptr + b.to(tl.int64) * V + cols, tl.where(keep, w, NEG_INF), mask=cols < V)
             q = -tl.log(tl.rand(seed, cols))  # u in [0, 1): q in (0, inf]
             score = tl.where(keep, tl.exp(w - zmax) / q, -1.0)
-            m = tl.max(score, axis=0)
-            i = tl.argmax(score, axis=0, tie_break_left=True)
-            better = m > best
-            tok = tl.where(better, v0 + i, tok)
-            best = tl.where(better, m, best)
+            better = score > best
+            best_idx = tl.where(better, cols, best_idx)
+            best = tl.where(better, score, best)
+        m, i = _first_max(best, best_idx, V)
+        tok = tl.where(m >= 0.0, i, tok)  # nothing kept (cannot happen: the top token stays): argmax
     tl.store(out_ptr + b, tok)
 
 
@@ -252,38 +260,38 @@ def logprobs_kernel(logits_ptr, row_idx_ptr, tok_ptr, tok_idx_ptr, ids_ptr, lp_p
     base = logits_ptr + tl.load(row_idx_ptr + r).to(tl.int64) * stride
     tok = tl.load(tok_ptr + tl.load(tok_idx_ptr + r))
     xmax, _ = _row_argmax(base, V, BLOCK_V)
-    s = tl.full((), 0.0, tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        s += tl.sum(tl.exp(_load_row(base, cols, V) - xmax), axis=0)
-    log_s = tl.log(s)
+        s += tl.exp(_load_row(base, cols, V) - xmax)
+    log_s = tl.log(tl.sum(s, axis=0))
     tok_lp = (tl.load(base + tok) - xmax) - log_s
-    above = tl.full((), 0, tl.int32)
+    above = tl.zeros((BLOCK_V,), tl.int32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         lp = _logprob(base, cols, V, xmax, log_s)
-        above += tl.sum(((lp > tok_lp) & (cols < V)).to(tl.int32), axis=0)
+        above += ((lp > tok_lp) & (cols < V)).to(tl.int32)
     out = r.to(tl.int64) * (K + 1)
     tl.store(ids_ptr + out, tok)
     tl.store(lp_ptr + out, tok_lp)
-    tl.store(rank_ptr + out, above + 1)
+    tl.store(rank_ptr + out, tl.sum(above, axis=0) + 1)
     # Top K by selection: pass c takes the largest entry after entry c-1 in the order
-    # (logprob descending, id ascending). K <= MAX_TOP_LOGPROBS passes.
+    # (logprob descending, id ascending): K passes (the runtime asks K <= 20, vLLM's default
+    # max_logprobs, and gathers larger K on the host).
     prev_lp = tl.full((), float("inf"), tl.float32)
     prev_id = tl.full((), -1, tl.int32)
     prev_rank = tl.full((), 0, tl.int32)
     for c in range(K):
-        best = tl.full((), NEG_INF, tl.float32)
-        best_id = tl.full((), V, tl.int32)
+        lane = tl.full((BLOCK_V,), NEG_INF, tl.float32)
+        lane_id = tl.full((BLOCK_V,), V, tl.int32)  # V: no candidate in this lane yet
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             lp = _logprob(base, cols, V, xmax, log_s)
             cand = (cols < V) & ((lp < prev_lp) | ((lp == prev_lp) & (cols > prev_id)))
-            m = tl.max(tl.where(cand, lp, NEG_INF), axis=0)
-            i = tl.min(tl.where(cand & (lp == m), cols, V), axis=0)
-            better = (i < V) & ((best_id == V) | (m > best))
-            best_id = tl.where(better, i, best_id)
-            best = tl.where(better, m, best)
+            better = cand & ((lane_id == V) | (lp > lane))
+            lane_id = tl.where(better, cols, lane_id)
+            lane = tl.where(better, lp, lane)
+        best, best_id = _first_max(tl.where(lane_id < V, lane, NEG_INF), lane_id, V)
         # entries above this one are all earlier in the list: rank = 1 + first equal position
         rank = tl.where(best == prev_lp, prev_rank, c + 1)
         tl.store(ids_ptr + out + 1 + c, best_id)
