@@ -100,8 +100,16 @@ class Configs:
             default = GemmTile(block_m=128, block_n=256, num_warps=8, num_stages=3)
         return self._get("gemm_tile", (m, n, k, arch), default)
 
-    def attention(self, h: int, hkv: int, d: int) -> AttentionConfig:
-        return self._get("paged_attention", (h, hkv, d), AttentionConfig())
+    def attention(self, h: int, hkv: int, d: int, max_model_len: int | None = None) -> AttentionConfig:
+        default = AttentionConfig()
+        if max_model_len is not None:
+            # SEG sets how many programs a short decode gets (one per segment and KV head): at
+            # batch 1 and 512 tokens, SEG 512 left 8 programs walking 8 tiles each (92 us per
+            # layer on the H200). The smallest SEG that keeps the split workspace and grid to
+            # at most 64 segments; fixed per bundle, so every bucket reduces the same way.
+            seg = 1 << max(0, (-(-max_model_len // 64) - 1).bit_length())
+            default = replace(default, seg=min(max(seg, default.tile), 512))
+        return self._get("paged_attention", (h, hkv, d, max_model_len), default)
 
     def row(self, op: str, width: int) -> RowConfig:
         return self._get(op, (width,), RowConfig(num_warps=4 if width <= 4096 else 8))

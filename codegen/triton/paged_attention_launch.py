@@ -55,7 +55,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
         divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))
     if not split:
         return [main]
-    block_h = min(next_pow2(h), 16)
+    block_h = min(next_pow2(h), 4)  # more programs: a batch-1 merge is latency, not bandwidth
     merge = KernelSpec(
         module=MODULE, kernel="attention_merge_kernel",
         signature=dict(ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", positions_ptr="*i32", n_rows_ptr="*i32", out_ptr=o,
@@ -94,8 +94,8 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     out = out if out is not None else as_buf(np.empty((t, h, d), dtype=q.dtype))
     check(shape_of(out) == (t, h, d), "paged_attention: bad out")
     check_inner_contiguous(out, "paged_attention out", 2)
-    config = config or configs.attention(h, hkv, d)
     max_model_len = max_model_len or mb * bs
+    config = config or configs.attention(h, hkv, d, max_model_len)
     specs = paged_attention_specs(t, h, hkv, d, bs, s, split=split, max_model_len=max_model_len,
                                   dtype=dtype_name(q), out_dtype=dtype_name(out), config=config)
     max_segs = specs[0].constexprs["MAX_SEGS"]
