@@ -36,6 +36,9 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_len
                "logits_indices", "num_logits")
 
 
+SPLIT_KV_MAX_SEQS = 64
+
+
 class LoweringError(ValueError):
     pass
 
@@ -83,6 +86,7 @@ class _Lowerer:
         self.dims = bucket.dims(mb)
         self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
         self.layout = input_layout(bucket, mb)
+        self.partials: dict[str, tuple[Buf, int]] = {}  # GEMM output -> (its unreduced split-K partials, S)
         regions.need("inputs", input_bytes(bucket, mb))
 
     def state_root(self, name: str) -> str:
@@ -180,9 +184,22 @@ class _Lowerer:
             # the variant that ignores invariance (to measure its cost): no split-K where M is large,
             # so a token's sums depend on whether it ran in a decode or a prefill bucket
             red = dataclasses.replace(red, split_k=1)
-        ws = self.workspace("gemm_ws", (red.split_k, out.shape[0], n)) if red.split_k > 1 else None
+        fuse = red.split_k > 1 and bias is None and self._reduced_by_norm(node.outputs[0])
+        ws = None
+        if red.split_k > 1:
+            if fuse and self.partials:
+                raise LoweringError(f"{node.name}: split-K partials of {list(self.partials)} are still unread")
+            ws = self.workspace("gemm_ws_fused" if fuse else "gemm_ws", (red.split_k, out.shape[0], n))
         k_gemm.gemm(self.buf(x), self.buf(w), self.buf(bias) if bias else None, out,
-                    n_rows=self.n_rows(node.outputs[0]), workspace=ws, red=red, configs=self.configs, arch=self.arch)
+                    n_rows=self.n_rows(node.outputs[0]), workspace=ws, red=red, configs=self.configs, arch=self.arch,
+                    reduce=not fuse)
+        if fuse:  # the next add_rms_norm sums the partials itself: one launch less per GEMM
+            self.partials[node.outputs[0]] = (ws, red.split_k)
+
+    def _reduced_by_norm(self, name: str) -> bool:
+        users = self.g.consumers(name)
+        return (len(users) == 1 and users[0].op == "add_rms_norm" and name in users[0].inputs[:2]
+                and name not in self.g.outputs)
 
     def op_rms_norm(self, node) -> None:
         x, w = node.inputs
@@ -191,9 +208,12 @@ class _Lowerer:
 
     def op_add_rms_norm(self, node) -> None:
         x, res, w = node.inputs
-        k_norm.add_rms_norm(self.buf(x), self.buf(res), self.buf(w), self.buf(node.outputs[0]),
+        if res in self.partials:  # x + residual is symmetric (one f32 add): the partials go in as x
+            x, res = res, x
+        xb, split = self.partials.pop(x, (self.buf(x), 0))
+        k_norm.add_rms_norm(xb, self.buf(res), self.buf(w), self.buf(node.outputs[0]),
                             self.buf(node.outputs[1]), eps=node.attrs["eps"], offset=node.attrs.get("offset", 0.0),
-                            n_rows=self.n_rows(x), configs=self.configs)
+                            n_rows=self.n_rows(x), configs=self.configs, x_split=split)
 
     def op_silu_mul(self, node) -> None:
         gate, up = node.inputs
@@ -224,10 +244,12 @@ class _Lowerer:
         q, cache, bt, sl, qsl = node.inputs
         out = self.buf(node.outputs[0])
         t, h, d = out.shape
-        split = self.bucket.decode
+        # split-KV where a decode step has too few (sequence, KV head) programs to fill the GPU;
+        # split and unsplit give the same bits, so the choice is free per bucket
+        split = self.bucket.decode and self.bucket.seqs <= SPLIT_KV_MAX_SEQS
         ws = None
         if split:
-            cfg = self.configs.attention(h, self.g.tensors[cache].shape[3], d)
+            cfg = self.configs.attention(h, self.g.tensors[cache].shape[3], d, self.max_model_len)
             segs = -(-self.max_model_len // cfg.seg)
             ws = (self.workspace("attn_ws_acc", (t, segs, h, d)), self.workspace("attn_ws_ml", (t, segs, h, 2)))
         k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,

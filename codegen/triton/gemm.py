@@ -129,10 +129,12 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
 
 
 def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTile | None = None,
-         red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90"):
+         red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90", reduce: bool = True):
     """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
     out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
-    when split-K. numpy arrays in -> interpreter; device buffers in -> all must be given."""
+    when split-K. numpy arrays in -> interpreter; device buffers in -> all must be given.
+    reduce=False (split-K only): leave the partials in the workspace for a consumer that
+    reduces them itself (add_rms_norm's x_split)."""
     x, w, bias, out, n_rows, workspace = map(as_buf, (x, w, bias, out, n_rows, workspace))
     (m, k), (n, k2) = shape_of(x), shape_of(w)
     check(k == k2, f"gemm: x has K={k}, w has K={k2}")
@@ -163,6 +165,6 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
     b = bias if bias is not None else out  # unused when HAS_BIAS is False
     ws = workspace if workspace is not None else out
     launch(specs[0], [x, w, b, out, ws, n_rows, m, strides_of(x)[0], strides_of(out)[0]])
-    if len(specs) > 1:
+    if len(specs) > 1 and reduce:
         launch(specs[1], [ws, b, out, n_rows, m, strides_of(out)[0]])
     return out.array if getattr(out, "on_host", False) else out

@@ -25,38 +25,50 @@ from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_inner_c
 @triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n_rows_ptr,
                     stride_xt, stride_xr, stride_rt, stride_rr, stride_yt, stride_yr, stride_ot, stride_or,
-                    eps, offset,
-                    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    # grid: (T, R). x, res, y, res_out: [T, R, N]; w: [N]
+                    stride_xs, eps, offset,
+                    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_SPLIT: tl.constexpr):
+    # grid: (T, R). x, res, y, res_out: [T, R, N]; w: [N] (its dtype is the storage dtype).
+    # X_SPLIT > 0: x is a split-K GEMM's f32 partials [X_SPLIT, T, N] (stride_xs apart), summed
+    # here exactly as gemm_reduce_kernel sums them (in order 0..S-1, then rounded), so the
+    # fused launch gives the same bits as reduce + norm.
     t, r = tl.program_id(0), tl.program_id(1)
     if t >= tl.load(n_rows_ptr):
         return
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + r * stride_xr + cols, mask=mask, other=0.0)
+    dt = w_ptr.dtype.element_ty
+    xrow = x_ptr + t.to(tl.int64) * stride_xt + r * stride_xr + cols
+    if X_SPLIT > 0:
+        acc = tl.load(xrow, mask=mask, other=0.0)
+        for s in tl.static_range(1, X_SPLIT):
+            acc = acc + tl.load(xrow + s * stride_xs, mask=mask, other=0.0)
+        x = acc.to(dt)
+    else:
+        x = tl.load(xrow, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + t.to(tl.int64) * stride_rt + r * stride_rr + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the new residual
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)  # the new residual
         tl.store(res_out_ptr + t.to(tl.int64) * stride_ot + r * stride_or + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     rstd = 1.0 / tl.sqrt_rn(var + eps)
-    xn = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight (HF)
+    xn = (xf * rstd).to(dt).to(tl.float32)  # rounded before the weight (HF)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = xn * (w + offset)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + r * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_spec(t: int, r: int, n: int, dtype: str = "bfloat16", *, has_residual: bool,
-                  config: RowConfig) -> KernelSpec:
+                  config: RowConfig, x_split: int = 0) -> KernelSpec:
     p = sig_type(dtype)
     return KernelSpec(
         module=__name__, kernel="rms_norm_kernel",
-        signature=dict(x_ptr=p, res_ptr=p, w_ptr=p, y_ptr=p, res_out_ptr=p, n_rows_ptr="*i32",
+        signature=dict(x_ptr="*fp32" if x_split else p, res_ptr=p, w_ptr=p, y_ptr=p, res_out_ptr=p,
+                       n_rows_ptr="*i32",
                        **{s: "i32" for s in ("stride_xt", "stride_xr", "stride_rt", "stride_rr", "stride_yt",
-                                             "stride_yr", "stride_ot", "stride_or")},
+                                             "stride_yr", "stride_ot", "stride_or", "stride_xs")},
                        eps="fp32", offset="fp32"),
-        constexprs=dict(N=n, BLOCK_N=next_pow2(n), HAS_RESIDUAL=has_residual),
+        constexprs=dict(N=n, BLOCK_N=next_pow2(n), HAS_RESIDUAL=has_residual, X_SPLIT=x_split),
         grid=(t, r), num_warps=config.num_warps, num_stages=1,
         divisible=("x_ptr", "res_ptr", "w_ptr", "y_ptr", "res_out_ptr", "n_rows_ptr"))
 
@@ -71,28 +83,40 @@ def _rows3(x, name):
     return shp[0], shp[1], shp[2], st[0], st[1]
 
 
-def _norm(x, residual, w, out, res_out, n_rows, eps, offset, config, configs):
+def _norm(x, residual, w, out, res_out, n_rows, eps, offset, config, configs, x_split=0):
     x, residual, w, out, res_out, n_rows = map(as_buf, (x, residual, w, out, res_out, n_rows))
-    t, r, n, sxt, sxr = _rows3(x, "rms_norm x")
+    sxs = 0
+    if x_split:
+        shp = shape_of(x)
+        check(len(shp) == 3 and shp[0] == x_split and dtype_name(x) == "float32" and residual is not None,
+              f"add_rms_norm: x_split={x_split} wants f32 partials [{x_split}, T, N] and a residual")
+        check_inner_contiguous(x, "add_rms_norm partials", 2)
+        t, r, n, sxt, sxr, sxs = shp[1], 1, shp[2], strides_of(x)[1], 0, strides_of(x)[0]
+        like = residual
+    else:
+        t, r, n, sxt, sxr = _rows3(x, "rms_norm x")
+        like = x
     check_shape(w, (n,), "rms_norm w")
-    check(dtype_name(w) == dtype_name(x), "rms_norm: w dtype differs from x")
-    host = lambda: as_buf(np.empty(shape_of(x), dtype=x.dtype))
+    check(dtype_name(w) == dtype_name(like), "rms_norm: w dtype differs from x")
+    host = lambda: as_buf(np.empty(shape_of(like), dtype=like.dtype))
     out = out if out is not None else host()
-    check(shape_of(out) == shape_of(x) and dtype_name(out) == dtype_name(x), "rms_norm: bad out")
+    check(shape_of(out) == shape_of(like) and dtype_name(out) == dtype_name(like), "rms_norm: bad out")
     _, _, _, syt, syr = _rows3(out, "rms_norm out")
     has_res = residual is not None
     if has_res:
-        check(shape_of(residual) == shape_of(x) and dtype_name(residual) == dtype_name(x), "add_rms_norm: bad residual")
+        check(shape_of(residual) == shape_of(like) and dtype_name(residual) == dtype_name(like),
+              "add_rms_norm: bad residual")
         res_out = res_out if res_out is not None else host()
-        check(shape_of(res_out) == shape_of(x) and dtype_name(res_out) == dtype_name(x), "add_rms_norm: bad res_out")
+        check(shape_of(res_out) == shape_of(like) and dtype_name(res_out) == dtype_name(like),
+              "add_rms_norm: bad res_out")
         _, _, _, srt, srr = _rows3(residual, "add_rms_norm residual")
         _, _, _, sot, sor = _rows3(res_out, "add_rms_norm res_out")
     else:
         residual, res_out, srt, srr, sot, sor = x, out, 0, 0, 0, 0
     n_rows = n_rows if n_rows is not None else as_buf(np.array([t], dtype=np.int32))
     config = config or configs.row("rms_norm", n)
-    spec = rms_norm_spec(t, r, n, dtype_name(x), has_residual=has_res, config=config)
-    launch(spec, [x, residual, w, out, res_out, n_rows, sxt, sxr, srt, srr, syt, syr, sot, sor,
+    spec = rms_norm_spec(t, r, n, dtype_name(like), has_residual=has_res, config=config, x_split=x_split)
+    launch(spec, [x, residual, w, out, res_out, n_rows, sxt, sxr, srt, srr, syt, syr, sot, sor, sxs,
                   float(eps), float(offset)])
     unwrap = lambda b: b.array if getattr(b, "on_host", False) else b
     return (unwrap(out), unwrap(res_out)) if has_res else unwrap(out)
@@ -105,6 +129,7 @@ def rms_norm(x, w, out=None, *, eps: float, offset: float = 0.0, n_rows=None,
 
 
 def add_rms_norm(x, residual, w, out=None, res_out=None, *, eps: float, offset: float = 0.0,
-                 n_rows=None, config: RowConfig | None = None, configs: Configs = DEFAULT):
-    """-> (rms_norm(x + residual), x + residual). res_out may be `residual` itself (in place)."""
-    return _norm(x, residual, w, out, res_out, n_rows, eps, offset, config, configs)
+                 n_rows=None, config: RowConfig | None = None, configs: Configs = DEFAULT, x_split: int = 0):
+    """-> (rms_norm(x + residual), x + residual). res_out may be `residual` itself (in place).
+    x_split=S: x is a split-K GEMM's f32 partials [S, T, N], reduced here (its reduce launch saved)."""
+    return _norm(x, residual, w, out, res_out, n_rows, eps, offset, config, configs, x_split)

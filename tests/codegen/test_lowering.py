@@ -10,6 +10,7 @@ import pytest
 
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.lower import REGION_SHIFT, Regions, input_layout, lower_bucket
+from kiln.codegen.triton.configs import DEFAULT, Configs
 from kiln.codegen.triton.launch import Buf, launch
 from kiln.graph import DType, to_numpy
 from kiln.models.config import ModelConfig
@@ -34,8 +35,15 @@ def _host(arg, arrays):
     return Buf(view)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
-def test_lowered_plan_matches_numpy(arch):
+def _split_everything(op, key):
+    # split-K 2 for every weight: the o_proj and down GEMMs then hand their partials to
+    # add_rms_norm (no reduce launch), the q/k/v and gate/up GEMMs keep their reduce
+    return {"split_k": 2, "block_k": 16} if op == "gemm_reduction" else None
+
+
+@pytest.mark.parametrize("arch,split", [("Qwen3ForCausalLM", False), ("LlamaForCausalLM", False),
+                                        ("LlamaForCausalLM", True)])
+def test_lowered_plan_matches_numpy(arch, split):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "num_hidden_layers": 2,
                                     "max_position_embeddings": MAX_LEN})
     graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS))
@@ -51,8 +59,15 @@ def test_lowered_plan_matches_numpy(arch):
     plan = plan_memory(graph, {"T": 64, "S": 4, "S1": 5, "L": 4, "MB": mb})
     regions = Regions()
     regions.need("arena", plan.arena_bytes)
-    lowered = {b: lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions, max_model_len=MAX_LEN)
-               for b in buckets}
+    configs = Configs(lookup=_split_everything) if split else DEFAULT
+    lowered = {b: lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions, max_model_len=MAX_LEN,
+                               configs=configs) for b in buckets}
+    kernels = [spec.kernel for spec, _ in lowered[buckets[0]]]
+    if split:  # o_proj and down leave their reduce to the add_rms_norm after them (the last
+        # layer's down feeds the plain residual add before the final norm, and keeps it)
+        fused = sum(spec.constexprs.get("X_SPLIT", 0) == 2 for spec, _ in lowered[buckets[0]])
+        assert fused == 2 * cfg.num_hidden_layers - 1
+        assert kernels.count("gemm_reduce_kernel") + fused == kernels.count("gemm_kernel")
 
     ref = CpuExecutor(graph, weights.__getitem__, NB)
     arrays = []

@@ -178,3 +178,24 @@ def test_rope_tables_match_ops_rope(rng):
     c, s = cos[pos], sin[pos]
     want = np.concatenate([xf[:, :16] * c - xf[:, 16:] * s, xf[:, 16:] * c + xf[:, :16] * s], axis=1)
     assert same_bits(got[:, 0], want.astype(BF16))
+
+
+def test_add_rms_norm_reduces_split_k_partials_like_the_reduce_kernel():
+    """x_split: the same bits as gemm_reduce_kernel followed by add_rms_norm."""
+    from kiln.codegen.triton.configs import GemmReduction, GemmTile
+    from kiln.codegen.triton.gemm import gemm_specs
+    from kiln.codegen.triton.launch import as_buf
+    from kiln.codegen.triton.launch import launch as run
+    from kiln.codegen.triton.rms_norm import add_rms_norm
+
+    rng = np.random.default_rng(7)
+    for split, t, n in ((2, 5, 96), (4, 3, 200)):
+        parts = rng.standard_normal((split, t, n)).astype(np.float32) * 3
+        res = rand(rng, (t, n))
+        w = rand(rng, (n,))
+        reduced = np.empty((t, n), BF16)
+        spec = gemm_specs(t, n, 256, tile=GemmTile(16, 32), red=GemmReduction(32, split))[1]
+        run(spec, [as_buf(parts), as_buf(reduced), as_buf(reduced), as_buf(np.array([t], np.int32)), t, n])
+        want_y, want_r = add_rms_norm(reduced, res.copy(), w, eps=1e-5)
+        got_y, got_r = add_rms_norm(parts, res.copy(), w, eps=1e-5, x_split=split)
+        assert same_bits(got_r, want_r) and same_bits(got_y, want_y)
