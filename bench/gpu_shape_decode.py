@@ -51,14 +51,24 @@ def gpu_only_decode_ms(ex, steps: int = 100) -> float:
     return ex.ctx.elapsed_ms(start, end) / steps
 
 
-def profile(ex, step) -> dict:
+def _lookup(a):
+    sched = None if a.untuned else Schedules.read("sm_90")
+
+    def lookup(op, key):
+        if op == "paged_attention" and a.attn_block_q:
+            return {"block_q": a.attn_block_q}
+        return sched.lookup(op, key) if sched else None
+    return lookup
+
+
+def profile(ex, step, what: str = "decode") -> dict:
     """Per-kernel GPU time of one decode step, summed by kernel (events between launches)."""
     per, plain_us = ex.profile(step)
     by: dict[str, list[float]] = {}
     for name, us in per:
         by.setdefault(name, []).append(us)
     total = sum(us for _, us in per)
-    print(f"profile of one batch-1 decode step: {len(per)} launches, {total:.0f} us with events between "
+    print(f"profile of one {what} step: {len(per)} launches, {total:.0f} us with events between "
           f"launches, {plain_us:.0f} us as the plain graph")
     for name, v in sorted(by.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {name:32s} {len(v):4d} x {np.mean(v):7.1f} us = {sum(v):8.0f} us ({sum(v) / total:5.1%})")
@@ -78,7 +88,9 @@ def main() -> None:
     ap.add_argument("--no-batch-invariance", action="store_true",
                     help="compile the variant without split-K in prefill buckets, to measure what invariance costs")
     ap.add_argument("--untuned", action="store_true", help="ignore schedules/sm_90 (kiln's default configs)")
-    ap.add_argument("--profile", action="store_true", help="time every kernel of the batch-1 decode step")
+    ap.add_argument("--profile", action="store_true", help="time every kernel of the batch-1 decode step "
+                    "and of the prefill step")
+    ap.add_argument("--attn-block-q", type=int, help="paged attention BLOCK_Q (a reduction knob: every bucket)")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
@@ -90,7 +102,7 @@ def main() -> None:
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=8,
                             max_num_batched_tokens=max(2048, a.prefill), block_size=16,
                             batch_invariant=not a.no_batch_invariance,
-                            configs=Configs() if a.untuned else Configs(lookup=Schedules.read("sm_90").lookup))
+                            configs=Configs(lookup=_lookup(a)))
     res["tuned"] = not a.untuned
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
@@ -134,6 +146,8 @@ def main() -> None:
         ex.execute(prepare_step([SeqChunk(p, 0, blocks)], bs))
     dt = (time.perf_counter() - t0) / 3
     res["prefill_tok_s"] = a.prefill / dt
+    if a.profile:
+        res["prefill_profile"] = profile(ex, prepare_step([SeqChunk(p, 0, blocks)], bs), f"{a.prefill}-token prefill")
     print(f"prefill {a.prefill} tokens: {a.prefill / dt:.0f} tok/s ({dt * 1e3:.1f} ms)")
     _dump(a, res)
 
