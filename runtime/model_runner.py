@@ -37,6 +37,16 @@ class RunnerRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """prompt + output [start:stop] without concatenating them (a decode step asks for one
+        token of a sequence that may be thousands long)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
 
 class ModelRunner:
     def __init__(self, executor, block_size: int, vocab_size: int, *, eos_token_ids: Sequence[int] = (),
@@ -88,7 +98,7 @@ class ModelRunner:
         for rid, start in starts.items():
             n = so.num_scheduled_tokens[rid]
             st = self.requests[rid]
-            tokens = (st.prompt_token_ids + st.output_token_ids)[start:start + n]
+            tokens = st.tokens(start, start + n)
             sample = start + n >= st.num_tokens
             # prompt logprobs: logits of every prompt position this chunk computes
             want_prompt = (st.params.prompt_logprobs is not None and start < len(st.prompt_token_ids) - 1
