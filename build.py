@@ -112,7 +112,7 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     """The fused graph -> a GPU bundle (read back from bundle_dir when it matches)."""
     import dataclasses
 
-    from kiln.codegen.compile import compile_bundle
+    from kiln.codegen.compile import compile_bundle_cached
     from kiln.codegen.triton.configs import Configs
     from kiln.runtime.bundle import Bundle, BundleError
     from kiln.schedules import Schedules
@@ -128,15 +128,15 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
         except BundleError:
             pass  # stale or foreign: rebuild it below
     configs = Configs(lookup=schedules.lookup)
-    bundle = compile_bundle(graph, target=target, model_config=dataclasses.asdict(source.config),
-                            config_hash=source.config.compute_hash(), max_model_len=max_model_len,
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            block_size=block_size, progress=progress, configs=configs)
+    bundle = compile_bundle_cached(graph, cache_tag=schedules.digest(), target=target,
+                                   model_config=dataclasses.asdict(source.config),
+                                   config_hash=source.config.compute_hash(), max_model_len=max_model_len,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   block_size=block_size, progress=progress, configs=configs)
     bundle.manifest["schedules_sha256"] = schedules.digest()
     if configs.fallbacks:
-        gemm = sorted(k for op, k in configs.fallbacks if op.startswith("gemm"))
-        progress(f"{len(configs.fallbacks)} kernel configs use defaults (no entry in schedules/{target}/); "
-                 f"GEMMs among them: {', '.join(str(k) for k in gemm) or 'none'}")
+        progress(f"{len(configs.fallbacks)} kernel configs use kiln's defaults (no entry in schedules/{target}/): "
+                 + "; ".join(f"{op} {key}" for op, key in configs.fallbacks))
     if bundle_dir is not None:
         bundle.write(bundle_dir)
     return bundle

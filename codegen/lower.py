@@ -86,6 +86,11 @@ class _Lowerer:
         self.dims = bucket.dims(mb)
         self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
         self.layout = input_layout(bucket, mb)
+        self.users: dict[str, list] = {}  # tensor -> consuming nodes (the graph is fixed while lowering)
+        for n in graph.nodes.values():
+            for t in n.inputs:
+                if t:
+                    self.users.setdefault(t, []).append(n)
         self.partials: dict[str, tuple[Buf, int]] = {}  # GEMM output -> (its unreduced split-K partials, S)
         regions.need("inputs", input_bytes(bucket, mb))
 
@@ -197,7 +202,7 @@ class _Lowerer:
             self.partials[node.outputs[0]] = (ws, red.split_k)
 
     def _reduced_by_norm(self, name: str) -> bool:
-        users = self.g.consumers(name)
+        users = self.users.get(name, [])
         return (len(users) == 1 and users[0].op == "add_rms_norm" and name in users[0].inputs[:2]
                 and name not in self.g.outputs)
 

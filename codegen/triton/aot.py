@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 from concurrent.futures import ThreadPoolExecutor
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -58,14 +59,26 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(spec: KernelSpec, arch: str) -> str:
+    # A bundle asks for the key of every launch of every bucket (tens of thousands for an 8B
+    # model), so the key is memoised on the spec's fields (the grid is not part of it).
+    return _cache_key(spec.module, spec.kernel, tuple(spec.signature.items()),
+                      tuple((k, repr(v)) for k, v in spec.constexprs.items()), tuple(sorted(spec.divisible)),
+                      spec.num_warps, spec.num_stages, ARCHS[arch])
+
+
+@functools.lru_cache(maxsize=None)
+def _source_sha256(module: str) -> str:
+    """The kernel file's hash; read once per process (an edited file means a new process)."""
+    return hashlib.sha256(Path(importlib.util.find_spec(module).origin).read_bytes()).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _cache_key(module, kernel, sig, constexprs, div, warps, stages, arch) -> str:
     import triton
 
-    src = Path(importlib.util.find_spec(spec.module).origin).read_bytes()
     blob = json.dumps({
-        "src": hashlib.sha256(src).hexdigest(), "kernel": spec.kernel, "sig": dict(spec.signature),
-        "constexprs": {k: repr(v) for k, v in spec.constexprs.items()}, "div": sorted(spec.divisible),
-        "warps": spec.num_warps, "stages": spec.num_stages, "arch": ARCHS[arch],
-        "triton": triton.__version__,
+        "src": _source_sha256(module), "kernel": kernel, "sig": dict(sig), "constexprs": dict(constexprs),
+        "div": list(div), "warps": warps, "stages": stages, "arch": arch, "triton": triton.__version__,
     }, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

@@ -111,9 +111,21 @@ def tail(x, start: int):
     return x[start:]
 
 
+_DTYPE_NAMES: dict = {}  # dtype object -> name (str() of a numpy dtype is slow, and lowering asks ~10^5 times)
+
+
 def dtype_name(x) -> str:
     """'bfloat16', 'float32', 'int32', ... for numpy dtypes, Bufs and torch tensors."""
-    return str(getattr(x, "dtype", x)).split(".")[-1]
+    d = getattr(x, "dtype", x)
+    try:
+        return _DTYPE_NAMES[d]
+    except (KeyError, TypeError):
+        name = str(d).split(".")[-1]
+        try:
+            _DTYPE_NAMES[d] = name
+        except TypeError:
+            pass
+        return name
 
 
 def sig_type(x) -> str:

@@ -104,3 +104,21 @@ def test_problems_cover_every_bucket(lead_m):
         for b in buckets:
             m = b.logits if p.out_dtype == "f32" else b.tokens  # the LM head runs on the logits rows
             assert any(t >= m for t in p.ms)
+
+
+def test_an_unchanged_compile_comes_from_the_bundle_cache(tmp_path):
+    from kiln.codegen.compile import compile_bundle_cached
+
+    _, graph = _tiny_graph()
+    kw = dict(target="sm_90", model_config={}, config_hash="x", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=64, block_size=16, buckets=[Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)])
+    said = []
+    first = compile_bundle_cached(graph, cache_tag="a", cache_dir=tmp_path, progress=said.append, **kw)
+    assert not any("unchanged" in s for s in said)
+    again = compile_bundle_cached(graph, cache_tag="a", cache_dir=tmp_path, progress=said.append, **kw)
+    assert any("unchanged" in s for s in said)
+    assert again.manifest["plans"] == first.manifest["plans"] and again.kernels == first.kernels
+    said.clear()
+    compile_bundle_cached(graph, cache_tag="b", cache_dir=tmp_path, progress=said.append, **kw)  # a retune
+    assert not any("unchanged" in s for s in said)
+    assert len(list(tmp_path.iterdir())) == 2
