@@ -19,6 +19,7 @@ for: a benchmark that generated less would report a speed it never ran at.
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import json
 import statistics
@@ -254,6 +255,10 @@ WORKLOADS = {"decode": decode, "prefill": prefill, "throughput": throughput, "ra
 # -- the common fields, peers, output ---------------------------------------------------------------
 
 def git_commit() -> str:
+    """HEAD of this checkout, or KILN_COMMIT when set (a copy of the tree shipped to another
+    machine may carry a stale .git: the sender knows the commit)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
