@@ -42,8 +42,11 @@ def prepare_step(chunks: Sequence[SeqChunk], block_size: int) -> dict[str, np.nd
         raise ValueError(f"sequence {s}: {nblocks[s]} blocks cannot hold {seq_lens[s]} tokens")
     mb = max(int(nblocks.max(initial=0)), 1)
     block_table = np.zeros((n, mb), dtype=np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(c.block_ids for c in chunks), dtype=np.int32,
-                       count=int(nblocks.sum()))
+    if n and all(isinstance(c.block_ids, np.ndarray) for c in chunks):  # the model runner's cached rows
+        flat = np.concatenate([c.block_ids for c in chunks]).astype(np.int32, copy=False)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(c.block_ids for c in chunks), dtype=np.int32,
+                           count=int(nblocks.sum()))
     seq_of_block = np.repeat(np.arange(n), nblocks)
     block_table[seq_of_block, np.arange(len(flat)) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks)] = flat
     seq_of_token = np.repeat(np.arange(n), lens)

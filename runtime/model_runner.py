@@ -32,6 +32,14 @@ class RunnerRequestState:
     generator: np.random.Generator | None = None
     bad_words_token_ids: list | None = None
     prompt_logprobs_done: int = 0  # prompt positions already scored (a resumed request skips them)
+    _block_arr: np.ndarray | None = None  # block_ids as i32, rebuilt only when blocks were added
+
+    def block_array(self) -> np.ndarray:
+        """The block table row as a numpy array, cached: a decode step adds a block only every
+        block_size tokens, and prepare_step concatenates these arrays in C."""
+        if self._block_arr is None or len(self._block_arr) != len(self.block_ids):
+            self._block_arr = np.array(self.block_ids, dtype=np.int32)
+        return self._block_arr
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +93,7 @@ class ModelRunner:
             blocks = c.new_block_ids[i]
             if rid in c.resumed_req_ids:
                 st.block_ids = list(blocks[0]) if blocks else []
+                st._block_arr = None  # a resumed request's table is new, whatever its length
             elif blocks:
                 st.block_ids.extend(blocks[0])
             if rid in c.all_token_ids:
@@ -105,7 +114,7 @@ class ModelRunner:
                            and start + n > st.prompt_logprobs_done)
             ids.append(rid)
             samples.append(sample)
-            chunks.append(SeqChunk(tokens, start, st.block_ids, sample=sample, all_logits=want_prompt))
+            chunks.append(SeqChunk(tokens, start, st.block_array(), sample=sample, all_logits=want_prompt))
         return ids, chunks, samples
 
     # -- one step -----------------------------------------------------------------------
