@@ -58,7 +58,10 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy)
     kv_cfg = full_attention_config(lm.executor.num_blocks, args.block_size, cfg.num_key_value_heads,
                                    cfg.head_dim, "f32" if args.target == "cpu" else "bf16")
-    scheduler = Scheduler(sched_cfg, kv_cfg, CacheConfig(args.block_size, args.enable_prefix_caching))
+    # a GPU bundle's buckets hold a fixed number of logits rows (prompt logprobs need one per token)
+    rows = max((p["logits"] for p in getattr(lm.executor, "buckets", ())), default=None)
+    scheduler = Scheduler(sched_cfg, kv_cfg, CacheConfig(args.block_size, args.enable_prefix_caching),
+                          max_num_logits_rows=rows)
     tok = lm.tokenizer
     eos = sorted(tok.eos_token_ids) if tok is not None else []
     runner = ModelRunner(lm.executor, args.block_size, cfg.vocab_size, eos_token_ids=eos,

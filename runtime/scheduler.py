@@ -46,22 +46,34 @@ class _Step:
     preempted_reqs: list[Request] = field(default_factory=list)
     new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    logits_rows: dict[str, int] = field(default_factory=dict)  # rows of logits each request will want
 
     def schedule(self, request: Request, num_tokens: int, blocks: KVCacheBlocks) -> None:
         self.new_blocks[request.request_id] = blocks
         self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.logits_rows[request.request_id] = num_tokens if _wants_prompt_rows(request) else 1
         self.token_budget -= num_tokens
 
     def unschedule_running(self, request: Request) -> None:
         self.running_reqs.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.logits_rows.pop(request.request_id)
         self.new_blocks.pop(request.request_id)
+
+
+def _wants_prompt_rows(request: Request) -> bool:
+    """Its next chunk still scores prompt positions: one logits row per chunk token."""
+    return (getattr(request.sampling_params, "prompt_logprobs", None) is not None
+            and request.num_computed_tokens < request.num_prompt_tokens - 1)
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
-                 cache_config: CacheConfig | None = None) -> None:
+                 cache_config: CacheConfig | None = None, max_num_logits_rows: int | None = None) -> None:
         self.scheduler_config = scheduler_config
+        # Logits rows one step may ask for (a GPU bundle's buckets hold max_num_seqs): a request
+        # computing prompt logprobs needs a row per chunk token, so its chunks are capped.
+        self.max_num_logits_rows = max_num_logits_rows
         self.kv_cache_config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.cache_config = cache_config or CacheConfig(block_size=self.block_size)
@@ -162,6 +174,16 @@ class Scheduler:
         assert len(self.running) <= self.max_num_running_reqs
         return self._make_output(step, total)
 
+    def _cap_logits_rows(self, request: Request, num_new: int, step: _Step) -> int:
+        """Shorten a prompt-logprobs chunk so the step's logits rows fit, keeping one row for
+        every request that may still join this step."""
+        if self.max_num_logits_rows is None or not _wants_prompt_rows(request):
+            return num_new
+        others = min(self.max_num_running_reqs, len(self.running) + len(self.waiting)) \
+            - len(step.num_scheduled_tokens) - 1
+        room = self.max_num_logits_rows - sum(step.logits_rows.values()) - max(others, 0)
+        return max(1, min(num_new, room))
+
     def _schedule_running(self, step: _Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
         req_index = 0
@@ -173,6 +195,8 @@ class Scheduler:
             # vLLM clamps to max_model_len - 1 - computed (for spec tokens),
             # which would strand a prompt of exactly max_model_len tokens.
             num_new = min(num_new, step.token_budget, self.max_model_len - request.num_computed_tokens)
+            if num_new > 0:
+                num_new = self._cap_logits_rows(request, num_new, step)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -241,6 +265,11 @@ class Scheduler:
                 break
             num_new = min(num_new, step.token_budget)
             assert num_new > 0
+            if self.max_num_logits_rows is not None and _wants_prompt_rows(request):
+                # num_computed_tokens is set below; the cap looks at where this chunk starts
+                saved, request.num_computed_tokens = request.num_computed_tokens, num_computed
+                num_new = self._cap_logits_rows(request, num_new, step)
+                request.num_computed_tokens = saved
             new_blocks = kv.allocate_slots(request, num_new, num_computed, hit_blocks)
             if new_blocks is None:
                 break  # head-of-line: later requests wait too (FCFS order is kept)
