@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # `python build.py` runs from the repository root, which `pip install -e .` maps to the package kiln.
-from kiln.errors import KilnError, ModelNotFoundError
+from kiln.errors import ConfigError, KilnError, ModelNotFoundError
 from kiln.graph import DType, Graph
 from kiln.models.registry import get_graph_builder
 from kiln.models.source import ModelSource, open_model
@@ -115,9 +115,12 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     from kiln.codegen.compile import compile_bundle_cached
     from kiln.codegen.triton.configs import Configs
     from kiln.runtime.bundle import Bundle, BundleError
-    from kiln.schedules import Schedules
+    from kiln.schedules import Schedules, ScheduleError
 
-    schedules = Schedules.read(target)
+    try:
+        schedules = Schedules.read(target)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
     if bundle_dir is not None and (Path(bundle_dir) / "manifest.yaml").is_file():
         try:
             b = Bundle.read(bundle_dir, expect_target=target, expect_config_hash=source.config.compute_hash())
@@ -128,11 +131,14 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
         except BundleError:
             pass  # stale or foreign: rebuild it below
     configs = Configs(lookup=schedules.lookup)
-    bundle = compile_bundle_cached(graph, cache_tag=schedules.digest(), target=target,
-                                   model_config=dataclasses.asdict(source.config),
-                                   config_hash=source.config.compute_hash(), max_model_len=max_model_len,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   block_size=block_size, progress=progress, configs=configs)
+    try:
+        bundle = compile_bundle_cached(graph, cache_tag=schedules.digest(), target=target,
+                                       model_config=dataclasses.asdict(source.config),
+                                       config_hash=source.config.compute_hash(), max_model_len=max_model_len,
+                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       block_size=block_size, progress=progress, configs=configs)
+    except ScheduleError as e:  # a hand-edited schedules file: one sentence, not a traceback
+        raise ConfigError(str(e)) from None
     bundle.manifest["schedules_sha256"] = schedules.digest()
     if configs.fallbacks:
         progress(f"{len(configs.fallbacks)} kernel configs use kiln's defaults (no entry in schedules/{target}/): "

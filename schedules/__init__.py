@@ -24,6 +24,10 @@ import yaml
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent
+
+
+class ScheduleError(ValueError):
+    """A schedules file that cannot be used as it stands (bad YAML, unknown fields)."""
 # the fields of an entry that form its key (the rest is the config, plus `us`, the timing)
 KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k")}
 NOT_CONFIG = {"m", "n", "k", "us"}
@@ -46,12 +50,18 @@ class Schedules:
 
     # -- files ------------------------------------------------------------------------
     @classmethod
-    def read(cls, arch: str, root: Path = ROOT) -> "Schedules":
-        """Every YAML file under root/arch whose compiler matches this one's."""
+    def read(cls, arch: str, root: Path | None = None) -> "Schedules":
+        """Every YAML file under root/arch (default: this package's folder) whose compiler matches this one's."""
+        root = Path(root) if root is not None else ROOT
         here = compiler_version()
         entries: dict[str, list[dict]] = {}
         for f in sorted((root / arch).glob("*.yaml")) if (root / arch).is_dir() else []:
-            doc = yaml.safe_load(f.read_text()) or {}
+            try:
+                doc = yaml.safe_load(f.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ScheduleError(f"{f} is not valid YAML: {e}") from None
+            if not isinstance(doc, dict) or not all(isinstance(v, list) for k, v in doc.items() if k != "compiler"):
+                raise ScheduleError(f"{f} is not a schedules file (a mapping of op -> list of entries)")
             if doc.get("compiler") != here:
                 log.warning("ignoring %s: tuned with %s, this is %s", f, doc.get("compiler"), here)
                 continue
@@ -60,8 +70,8 @@ class Schedules:
                     entries.setdefault(op, []).extend(items or [])
         return cls(arch, entries, here)
 
-    def write(self, name: str, root: Path = ROOT) -> Path:
-        path = root / self.arch / f"{name}.yaml"
+    def write(self, name: str, root: Path | None = None) -> Path:
+        path = (Path(root) if root is not None else ROOT) / self.arch / f"{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         doc: dict[str, Any] = {"compiler": self.compiler}
         for op in sorted(self.entries):

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kiln.schedules import ScheduleError
+
 log = logging.getLogger(__name__)
 
 Lookup = Callable[[str, tuple], Mapping[str, Any] | None]
@@ -78,7 +80,8 @@ class Configs:
         names = {f.name for f in fields(default)}
         unknown = set(found) - names
         if unknown:
-            raise ValueError(f"schedule for {op} {key} has unknown fields {sorted(unknown)}")
+            raise ScheduleError(f"the schedule for {op} {key} has unknown fields {sorted(unknown)} "
+                                f"(known: {sorted(names)})")
         return replace(default, **found)
 
     def gemm_reduction(self, n: int, k: int) -> GemmReduction:

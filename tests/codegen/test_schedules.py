@@ -122,3 +122,26 @@ def test_an_unchanged_compile_comes_from_the_bundle_cache(tmp_path):
     compile_bundle_cached(graph, cache_tag="b", cache_dir=tmp_path, progress=said.append, **kw)  # a retune
     assert not any("unchanged" in s for s in said)
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_broken_schedules_file_is_one_clear_error(tmp_path, monkeypatch):
+    import kiln.schedules as sch
+    from kiln.build import compile_model
+    from kiln.errors import ConfigError
+
+    cfg, graph = _tiny_graph()
+
+    class Source:
+        config = cfg
+    (tmp_path / "sm_90").mkdir()
+    bad = tmp_path / "sm_90" / "gemm.yaml"
+    monkeypatch.setattr(sch, "ROOT", tmp_path)
+    kw = dict(target="sm_90", block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+    bad.write_text("compiler: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        compile_model(Source(), graph, **kw)
+    n, k = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size
+    bad.write_text(yaml.safe_dump({"compiler": compiler_version(),
+                                   "gemm_reduction": [{"n": n, "k": k, "block_k": 32, "splitk": 2}]}))
+    with pytest.raises(ConfigError, match="unknown fields.*splitk"):
+        compile_model(Source(), graph, **kw)
