@@ -95,7 +95,9 @@ def compile_bundle_cached(graph: Graph, *, cache_tag: str, cache_dir: str | Path
     """compile_bundle, kept in the kernel cache by everything the bundle depends on: the fused
     graph, the compile parameters, `cache_tag` (the schedules' digest), kiln's codegen sources
     and the compiler version. Recompiling an unchanged model into a fresh directory then reads
-    the bundle back (about a second for an 8B model) instead of lowering 43 buckets again."""
+    the bundle back (about a second for an 8B model) instead of lowering 43 buckets again.
+    `configs` is not hashed: `cache_tag` must identify it (build.py passes the digest of the
+    schedules its Configs reads)."""
     import triton
 
     h = hashlib.sha256()
