@@ -137,19 +137,23 @@ class ModelRunner:
             elif sample:
                 rows.append(row)
                 row += 1
+        sample_idx = [i for i, s in enumerate(samples) if s]
+        states = [self.requests[ids[i]] for i in sample_idx]
+        out = self.sampler.sample(logits[rows], self._metadata(states)) if states else None
+        return self._output(ids, sample_idx, states, out, prompt_lps)
+
+    @staticmethod
+    def _output(ids: list[str], sample_idx: list[int], states: list[RunnerRequestState], out,
+                prompt_lps: dict) -> ModelRunnerOutput:
+        """Record each sampled token with its request and hand the step's results back."""
         sampled: list[list[int]] = [[] for _ in ids]
         logprobs: list = [None] * len(ids)
-        sample_idx = [i for i, s in enumerate(samples) if s]
-        if sample_idx:
-            states = [self.requests[ids[i]] for i in sample_idx]
-            md = self._metadata(states)
-            out = self.sampler.sample(logits[rows], md)
-            for j, i in enumerate(sample_idx):
-                tok = int(out.sampled_token_ids[j])
-                sampled[i] = [tok]
-                states[j].output_token_ids.append(tok)
-                if out.logprobs is not None and states[j].params.logprobs is not None:
-                    logprobs[i] = out.logprobs.slice(j, j + 1)
+        for j, i in enumerate(sample_idx):
+            tok = int(out.sampled_token_ids[j])
+            sampled[i] = [tok]
+            states[j].output_token_ids.append(tok)
+            if out.logprobs is not None and states[j].params.logprobs is not None:
+                logprobs[i] = out.logprobs.slice(j, j + 1)
         return ModelRunnerOutput(ids, sampled, logprobs, prompt_logprobs=prompt_lps)
 
     def _metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
@@ -204,12 +208,4 @@ class ModelRunner:
             prepare_step(chunks, self.block_size), self.gpu_sampler, rows, self._metadata(states) if states else None,
             seeds=[s.params.seed for s in states], prompt=list(jobs.values()))
         prompt_lps.update(zip(jobs, prompt))
-        sampled: list[list[int]] = [[] for _ in ids]
-        logprobs: list = [None] * len(ids)
-        for j, i in enumerate(sample_idx):
-            tok = int(out.sampled_token_ids[j])
-            sampled[i] = [tok]
-            states[j].output_token_ids.append(tok)
-            if out.logprobs is not None and states[j].params.logprobs is not None:
-                logprobs[i] = out.logprobs.slice(j, j + 1)
-        return ModelRunnerOutput(ids, sampled, logprobs, prompt_logprobs=prompt_lps)
+        return self._output(ids, sample_idx, states, out, prompt_lps)
