@@ -159,20 +159,9 @@ class CudaExecutor:
         return off + 4
 
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        t, s, l_ = len(inputs["input_ids"]), len(inputs["seq_lens"]), len(inputs["logits_indices"])
-        p = self._pick(t, s, l_)
-        nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
+        l_ = len(inputs["logits_indices"])
+        self._launch_step(inputs)
         ctx = self.ctx
-        ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes], sync=False)
-        if p["decode"] and self.use_cuda_graphs:
-            graph = self.graphs.get(p["name"])
-            if graph is None:
-                ctx.begin_capture()
-                self._launch_all(p)
-                graph = self.graphs[p["name"]] = ctx.end_capture()
-            ctx.replay(graph)
-        else:
-            self._launch_all(p)
         if l_:
             ctx.download(self.bases["arena"] + self.logits_offset, self.host_logits[:l_])
         else:
