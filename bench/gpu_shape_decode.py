@@ -55,8 +55,8 @@ def _lookup(a):
     sched = None if a.untuned else Schedules.read("sm_90")
 
     def lookup(op, key):
-        if op == "paged_attention" and a.attn_block_q:
-            return {"block_q": a.attn_block_q}
+        if op == "paged_attention" and (a.attn_block_q or a.attn_warps):
+            return {k: v for k, v in (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps)) if v}
         return sched.lookup(op, key) if sched else None
     return lookup
 
@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--untuned", action="store_true", help="ignore schedules/sm_90 (kiln's default configs)")
     ap.add_argument("--profile", action="store_true", help="time every kernel of the batch-1 decode step "
                     "and of the prefill step")
-    ap.add_argument("--attn-block-q", type=int, help="paged attention BLOCK_Q (a reduction knob: every bucket)")
+    ap.add_argument("--attn-block-q", type=int, help="paged attention query positions per program in prefill buckets")
+    ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])

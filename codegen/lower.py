@@ -260,7 +260,7 @@ class _Lowerer:
         k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,
                                scale=node.attrs["scale"], sliding_window=node.attrs.get("sliding_window", 0),
                                split=split, max_model_len=self.max_model_len, positions=self.buf("positions"),
-                               workspace=ws, configs=self.configs)
+                               workspace=ws, configs=self.configs, decode=self.bucket.decode)
 
 
 def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,

@@ -2,11 +2,12 @@
 
 Two kinds of knobs, kept apart on purpose (DESIGN "Invariance by construction"):
 - reduction knobs change the order of floating-point sums: GEMM BLOCK_K and
-  SPLIT_K, attention TILE/SEG/BLOCK_Q/num_warps, a norm's BLOCK/num_warps. They are
+  SPLIT_K, attention TILE/SEG, a norm's BLOCK/num_warps. They are
   chosen from the weight or model shape only, never from the bucket, so a token's
   numbers do not depend on its batch.
-- schedule knobs (GEMM BLOCK_M/BLOCK_N/num_stages, elementwise block sizes, split-KV
-  on/off) may vary per bucket and may be tuned freely.
+- schedule knobs (GEMM BLOCK_M/BLOCK_N/num_stages, attention rows per program and
+  warps, elementwise block sizes, split-KV on/off) may vary per bucket and may be tuned
+  freely.
 
 `Configs(lookup=...)` takes a callable `(op, key) -> dict | None` (schedules/ YAML
 reader, later); a miss falls back to the defaults below and says so once.
@@ -43,14 +44,20 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Per model (H, Hkv, D): all reduction knobs of paged attention."""
-    # H200, Llama-8B heads, 64 x 4096-token decode: split 3.95 TB/s of KV (tile 32 /
-    # seg 256: 3.5; block_q 16: 1.5); a 4096-token prefill: ~97 TFLOP/s.
-    block_q: int = 4      # query positions per program (rows = block_q * next_pow2(H // Hkv))
+    """Per model (H, Hkv, D). The reduction knobs are tile and seg; the rest only groups rows
+    into programs (paged_attention.py: rows never mix), so decode and prefill buckets each
+    take their own."""
+    # decode buckets: query positions per program (rows = block_q * next_pow2(H // Hkv), >= 16)
+    block_q: int = 4
     tile: int = 64        # keys per online-softmax step; tiles start at multiples of `tile`
     seg: int = 512        # keys per split-KV segment (a multiple of tile); segments fold in order
     num_warps: int = 4
     num_stages: int = 2
+    # prefill and mixed buckets: 64-row programs (H200, Llama-8B heads, 2,048-token prefill:
+    # 16-row programs spent 2.7 ms a layer, mostly waiting on memory)
+    prefill_block_q: int = 16
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 3
 
 
 @dataclass(frozen=True)

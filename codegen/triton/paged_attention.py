@@ -7,20 +7,27 @@ list are in paged_attention_launch.py. Shapes:
 
 Invariance (a token's output must not depend on how queries are grouped): every
 key position k belongs to tile k // TILE and segment k // SEG, fixed by position
-alone. For each query row the kernel
+alone (TILE and SEG are the reduction knobs, one per model). For each query row the
+kernel
   1. runs an online softmax over the tiles of a segment in increasing order,
      starting from the empty state (m=-inf, l=0, acc=0);
   2. folds the segments into a running state in increasing order with `_fold`;
   3. divides once at the end (`_finalize`).
+Rows never mix: the only sums are inside tensor-core dots (QK^T, PV, and the row sums
+l, taken as P @ ones on the tensor core rather than with tl.sum, whose cross-lane
+order follows the tile's layout), and the tensor core gives an element the same bits
+whatever the tile shape or instruction (mma.sync at 16 rows, wgmma at 64; measured,
+tests/codegen/test_triton_gpu.py). So the rows per program (BLOCK_Q positions x the
+GQA group), the warps and the stages are schedule knobs, free per bucket: decode
+takes 16-row programs, prefill 64-row ones.
 Rows whose tile or segment is fully masked (a prefill block's earlier rows, keys
-past the window) take an exact identity step (alpha=1, p=0; empty fold), so the
-extra work a program does for its other rows never changes a row's bits.
-Query blocks are aligned to absolute positions (rows p // BLOCK_Q), so a position
-sits in the same row of the same tile shape in prefill and in decode.
+past the window) take an exact identity step (alpha=1, p=0; empty fold). Tiles that
+every row of the block sees whole skip the mask (the masked path would compute the
+same bits) and are software-pipelined in their own loop.
 SPLIT=False: one program folds all of its segments. SPLIT=True (decode, long
-contexts): program z computes segment z alone and stores (m, l, acc) in f32;
-attention_merge_kernel folds them in order with the same `_fold` and `_finalize`.
-Both give the same bits, so a bucket may choose either.
+contexts): program z computes segment z alone (folding it into the empty state, an
+exact identity) and stores (m, l, acc) in f32; attention_merge_kernel folds them in
+order with the same `_fold` and `_finalize`. Both give the same bits.
 """
 from __future__ import annotations
 
@@ -62,47 +69,123 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _segment(q, pos, valid, z, k_lo, k_hi, kv_base, bt_row, stride_cb, stride_ckv, stride_cp, L, window,
-             qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-             TILE: tl.constexpr, SEG: tl.constexpr, INTERPRET: tl.constexpr):
-    """Online softmax over the tiles of segment z that intersect [k_lo, k_hi).
-    q: [BLOCK_M, BLOCK_D]; pos: i32[BLOCK_M] row positions. -> (m, l, acc) of this segment."""
-    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+def _interp_dot(a, b, acc):
+    """The interpreter's tl.dot is numpy matmul: wrong for bf16, and its f32 rounding follows
+    BLAS blocking, i.e. the number of rows. Model the tensor core instead, where an element
+    sums its K in one order whatever the tile (as gemm.py's _dot_acc does)."""
+    return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """One key tile: -> (s [BLOCK_M, TILE] in the log2 domain, -inf where not visible; v [TILE, BLOCK_D])."""
+    kpos = k0 + tl.arange(0, TILE)  # [TILE] absolute key positions
     d = tl.arange(0, BLOCK_D)
-    t_lo = tl.maximum(z * SEG, k_lo // TILE * TILE)
-    t_hi = tl.minimum((z + 1) * SEG, k_hi)
-    for k0 in range(t_lo, t_hi, TILE):
-        kpos = k0 + tl.arange(0, TILE)  # [TILE] absolute key positions
+    if MASKED:
         in_seq = kpos < L
         blk = tl.load(bt_row + kpos // BS, mask=in_seq, other=0)
         kv = kv_base + blk.to(tl.int64) * stride_cb + (kpos % BS) * stride_cp  # [TILE]
-        kmask = in_seq[None, :] & (d[:, None] < D)
-        k = tl.load(kv[None, :] + d[:, None], mask=kmask, other=0.0)  # [BLOCK_D, TILE] = K^T
+        k = tl.load(kv[None, :] + d[:, None], mask=in_seq[None, :] & (d[:, None] < D), other=0.0)  # K^T
         v = tl.load(kv[:, None] + stride_ckv + d[None, :], mask=in_seq[:, None] & (d[None, :] < D), other=0.0)
-        if INTERPRET:  # the interpreter's bf16 dot is wrong; bf16 -> f32 is exact
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32))
-        else:
-            s = tl.dot(q, k)
-        s = s * qk_scale  # [BLOCK_M, TILE], log2 domain
+    else:  # the whole tile is inside the sequence
+        blk = tl.load(bt_row + kpos // BS)
+        kv = kv_base + blk.to(tl.int64) * stride_cb + (kpos % BS) * stride_cp
+        k = tl.load(kv[None, :] + d[:, None], mask=d[:, None] < D, other=0.0)
+        v = tl.load(kv[:, None] + stride_ckv + d[None, :], mask=d[None, :] < D, other=0.0)
+    if INTERPRET:
+        s = _interp_dot(q, k, tl.zeros((q.shape[0], TILE), tl.float32))
+    else:
+        s = tl.dot(q, k)
+    s = s * qk_scale
+    if MASKED:
         vis = valid[:, None] & in_seq[None, :] & (kpos[None, :] <= pos[:, None])
         vis = vis & ((window == 0) | (kpos[None, :] > pos[:, None] - window))
         s = tl.where(vis, s, -float("inf"))
+    return s, v
+
+
+@triton.jit
+def _pv(p, v, ones, acc, INTERPRET: tl.constexpr):
+    """-> (row sums of bf16(p), bf16(p) @ v + acc), both on the tensor core (see the docstring)."""
+    pv = p.to(v.dtype)
+    if INTERPRET:
+        return tl.sum(pv.to(tl.float32), axis=1), _interp_dot(pv, v, acc)
+    else:
+        return tl.max(tl.dot(pv, ones), axis=1), tl.dot(pv, v, acc)
+
+
+@triton.jit
+def _step(s, v, ones, first, last, M, Ls, ACC, m_i, l_i, acc, ONE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One tile's online-softmax step on the segment state (m_i, l_i, acc), reset first when
+    the tile opens a segment (`first`) and folded into (M, Ls, ACC) when it closes one."""
+    if ONE:  # SEG == TILE: every tile is a whole segment, always opened and closed
+        m_t = tl.max(s, axis=1)
+        base = tl.where(m_t == -float("inf"), 0.0, m_t)
+        p = tl.exp2(s - base[:, None])  # masked -> exactly 0
+        l_t, acc_t = _pv(p, v, ones, tl.zeros_like(ACC), INTERPRET)
+        M, Ls, ACC = _fold(M, Ls, ACC, m_t, l_t, acc_t)
+    else:
+        m_i = tl.where(first, -float("inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
         m_t = tl.max(s, axis=1)
         m_new = tl.maximum(m_i, m_t)
         base = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.where(m_t > m_i, tl.exp2(m_i - base), 1.0)  # exactly 1 when nothing new
-        p = tl.exp2(s - base[:, None])  # masked -> exactly 0
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        pv = p.to(v.dtype)
-        if INTERPRET:
-            acc = tl.dot(pv.to(tl.float32), v.to(tl.float32), acc)
-        else:
-            acc = tl.dot(pv, v, acc)
+        p = tl.exp2(s - base[:, None])
+        l_t, acc = _pv(p, v, ones, acc * alpha[:, None], INTERPRET)
+        l_i = l_i * alpha + l_t
         m_i = m_new
-    return m_i, l_i, acc
+        M2, Ls2, ACC2 = _fold(M, Ls, ACC, m_i, l_i, acc)
+        M = tl.where(last, M2, M)
+        Ls = tl.where(last, Ls2, Ls)
+        ACC = tl.where(last, ACC2, ACC)
+    return M, Ls, ACC, m_i, l_i, acc
+
+
+@triton.jit
+def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+            SEG: tl.constexpr, INTERPRET: tl.constexpr):
+    """Tiles k0 = lo, lo + TILE, ... < hi (lo a multiple of TILE), segment by segment, from the
+    empty state -> (M, Ls, ACC). Tiles below full_hi need no mask."""
+    ONE: tl.constexpr = SEG == TILE
+    M = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    Ls = tl.zeros((BLOCK_M,), tl.float32)
+    ACC = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    if INTERPRET:  # unused there (the interpreter has no bf16 constants)
+        ones = tl.full((TILE, 16), 1.0, tl.float32)
+    else:
+        ones = tl.full((TILE, 16), 1.0, tl.bfloat16)
+    mid = tl.maximum(tl.minimum(full_hi, hi), lo)
+    if ONE:  # nothing carried but the running state
+        for k0 in range(lo, mid, TILE):
+            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
+                           qk_scale, D, BLOCK_D, BS, TILE, False, INTERPRET)
+            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, True, True, M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
+        for k0 in range(mid, hi, TILE):
+            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
+                           qk_scale, D, BLOCK_D, BS, TILE, True, INTERPRET)
+            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, True, True, M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
+    else:
+        for k0 in range(lo, mid, TILE):
+            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
+                           qk_scale, D, BLOCK_D, BS, TILE, False, INTERPRET)
+            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, (k0 == lo) | (k0 % SEG == 0),
+                                              (k0 + TILE >= hi) | ((k0 + TILE) % SEG == 0),
+                                              M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
+        for k0 in range(mid, hi, TILE):
+            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
+                           qk_scale, D, BLOCK_D, BS, TILE, True, INTERPRET)
+            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, (k0 == lo) | (k0 % SEG == 0),
+                                              (k0 + TILE >= hi) | ((k0 + TILE) % SEG == 0),
+                                              M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
+    return M, Ls, ACC
 
 
 @triton.jit
@@ -111,16 +194,22 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
                            ws_acc_ptr, ws_ml_ptr, qk_scale, window,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-                           SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr,
+                           SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr,
                            INTERPRET: tl.constexpr):
-    # grid: (q-block bound, HKV, MAX_SEGS if SPLIT else 1)
+    # grid: (q-block bound, or S for DECODE, HKV, MAX_SEGS if SPLIT else 1)
     pid, kvh, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
+    if DECODE:  # one query per sequence: program pid serves sequence pid, no search
+        s = pid
+    else:
+        s = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
     q0 = tl.load(qsl_ptr + s)
     n = tl.load(qsl_ptr + s + 1) - q0
     L = tl.load(seq_lens_ptr + s)
     c = L - n  # position of the sequence's first query
-    blk = c // BLOCK_Q + pid - (q0 + s * (2 * BLOCK_Q - 2)) // BLOCK_Q  # absolute q block
+    if DECODE:
+        blk = c // BLOCK_Q
+    else:
+        blk = c // BLOCK_Q + pid - (q0 + s * (2 * BLOCK_Q - 2)) // BLOCK_Q  # absolute q block
     if (n == 0) | (blk * BLOCK_Q > L - 1):
         return
     G: tl.constexpr = H // HKV
@@ -137,25 +226,24 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
     p_min = tl.maximum(blk * BLOCK_Q, c)
     p_max = tl.minimum(blk * BLOCK_Q + BLOCK_Q - 1, L - 1)
     k_lo = tl.where(window > 0, tl.maximum(p_min - window + 1, 0), 0)
+    lo = k_lo // TILE * TILE
+    hi = p_max + 1
+    full_hi = tl.where(window > 0, lo, (p_min + 1) // TILE * TILE)  # tiles every row sees whole
     kv_base = cache_ptr + kvh * stride_ch
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     if SPLIT:
         if (z < k_lo // SEG) | (z > p_max // SEG):
             return
-        m, l, acc = _segment(q, pos, valid, z, k_lo, p_max + 1, kv_base, bt_row, stride_cb, stride_ckv,
-                             stride_cp, L, window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
+        M, Ls, ACC = _attend(q, pos, valid, tl.maximum(lo, z * SEG), tl.minimum(hi, (z + 1) * SEG), full_hi,
+                             bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
+                             D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
         ws = (tok * MAX_SEGS + z) * H + head  # ws_ml: f32[T, MAX_SEGS, H, 2], ws_acc: f32[T, MAX_SEGS, H, D]
-        tl.store(ws_ml_ptr + ws * 2, m, mask=valid)
-        tl.store(ws_ml_ptr + ws * 2 + 1, l, mask=valid)
-        tl.store(ws_acc_ptr + ws[:, None] * D + d[None, :], acc, mask=qmask)
+        tl.store(ws_ml_ptr + ws * 2, M, mask=valid)
+        tl.store(ws_ml_ptr + ws * 2 + 1, Ls, mask=valid)
+        tl.store(ws_acc_ptr + ws[:, None] * D + d[None, :], ACC, mask=qmask)
     else:
-        M = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-        Ls = tl.zeros((BLOCK_M,), tl.float32)
-        ACC = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for zz in range(k_lo // SEG, p_max // SEG + 1):
-            m, l, acc = _segment(q, pos, valid, zz, k_lo, p_max + 1, kv_base, bt_row, stride_cb, stride_ckv,
-                                 stride_cp, L, window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
-            M, Ls, ACC = _fold(M, Ls, ACC, m, l, acc)
+        M, Ls, ACC = _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L,
+                             window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
         o = _finalize(Ls, ACC)
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)

@@ -2,7 +2,8 @@
 
 Grid (fixed by the bucket, so the plan captures as one CUDA graph; lengths and block
 tables are read from device memory):
-  axis 0: (T + S (2 BLOCK_Q - 2)) // BLOCK_Q programs. Sequence s owns programs
+  axis 0: decode buckets (one query per sequence): S programs, program s for sequence s.
+          Otherwise (T + S (2 BLOCK_Q - 2)) // BLOCK_Q programs. Sequence s owns programs
           from start(s) = (qsl[s] + s (2 BLOCK_Q - 2)) // BLOCK_Q; it needs at most
           (n_s + 2 BLOCK_Q - 2) // BLOCK_Q of them (its queries may straddle one
           more absolutely aligned q block than cdiv(n_s, BLOCK_Q)), and start(s+1) -
@@ -26,19 +27,26 @@ from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_d
 MODULE = "kiln.codegen.triton.paged_attention"
 
 
-def attention_block_q(h: int, hkv: int, config: AttentionConfig) -> int:
+def attention_block_q(h: int, hkv: int, config: AttentionConfig, decode: bool = False) -> int:
     """Query positions per program: at least enough rows (BLOCK_Q * G_PAD) for tl.dot's 16."""
-    return max(next_pow2(config.block_q), cdiv(16, next_pow2(h // hkv)))
+    bq = config.block_q if decode else config.prefill_block_q
+    return max(next_pow2(bq), cdiv(16, next_pow2(h // hkv)))
 
 
 def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: int, *, split: bool,
                           max_model_len: int, dtype: str = "bfloat16", out_dtype: str | None = None,
-                          config: AttentionConfig) -> list[KernelSpec]:
+                          config: AttentionConfig, decode: bool = False) -> list[KernelSpec]:
+    """decode: every sequence has exactly one query (t == num_seqs), so program s serves
+    sequence s; the rows per program, warps and stages are the config's decode ones."""
     check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
     check(config.tile >= 16 and config.tile == next_pow2(config.tile),
           "paged_attention: tile must be a power of 2 >= 16")
-    bq = attention_block_q(h, hkv, config)
+    check(not decode or t == num_seqs, f"paged_attention: a decode batch has one query per sequence "
+          f"({t} queries, {num_seqs} sequences)")
+    bq = attention_block_q(h, hkv, config, decode)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
+    warps, stages = ((config.num_warps, config.num_stages) if decode
+                     else (config.prefill_num_warps, config.prefill_num_stages))
     p, o = sig_type(dtype), sig_type(out_dtype or dtype)
     i32 = lambda *names: {n: "i32" for n in names}
     main = KernelSpec(
@@ -49,9 +57,10 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
                        **i32("stride_ot", "stride_oh"), ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", qk_scale="fp32",
                        window="i32"),
         constexprs=dict(H=h, HKV=hkv, D=d, BLOCK_D=next_pow2(d), BS=bs, G_PAD=next_pow2(h // hkv), BLOCK_Q=bq,
-                        TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, INTERPRET=False),
-        grid=(max(1, (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+                        TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
+                        INTERPRET=False),
+        grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
+        num_warps=warps, num_stages=stages,
         divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))
     if not split:
         return [main]
@@ -69,10 +78,11 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
 def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, *, scale: float,
                     sliding_window: int = 0, split: bool = False, max_model_len: int | None = None,
                     positions=None, workspace=None, config: AttentionConfig | None = None,
-                    configs: Configs = DEFAULT):
+                    configs: Configs = DEFAULT, decode: bool = False):
     """q: [T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32[S, MB]; seq_lens: i32[S];
     query_start_loc: i32[S+1] -> out: [T, H, D]. Split: positions i32[T], workspace
-    (ws_acc, ws_ml) or None on the host; max_model_len defaults to MB * BS."""
+    (ws_acc, ws_ml) or None on the host; max_model_len defaults to MB * BS. decode: one
+    query per sequence (T == S), served by the decode kernel variant."""
     q, cache, block_table, seq_lens, query_start_loc, out, positions = map(
         as_buf, (q, cache, block_table, seq_lens, query_start_loc, out, positions))
     t, h, d = shape_of(q)
@@ -97,7 +107,7 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     max_model_len = max_model_len or mb * bs
     config = config or configs.attention(h, hkv, d, max_model_len)
     specs = paged_attention_specs(t, h, hkv, d, bs, s, split=split, max_model_len=max_model_len,
-                                  dtype=dtype_name(q), out_dtype=dtype_name(out), config=config)
+                                  dtype=dtype_name(q), out_dtype=dtype_name(out), config=config, decode=decode)
     max_segs = specs[0].constexprs["MAX_SEGS"]
     if split:
         if workspace is None:

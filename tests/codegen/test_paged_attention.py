@@ -11,7 +11,7 @@ from kiln.codegen.triton.paged_attention_launch import paged_attention
 from kiln.graph import ops
 from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
 
-CFG = AttentionConfig(block_q=4, tile=16, seg=32)  # small seg: several segments per sequence
+CFG = AttentionConfig(block_q=4, tile=16, seg=32, prefill_block_q=4)  # small seg: several segments per sequence
 BS, NB, MB = 4, 128, 32
 
 
@@ -73,14 +73,35 @@ def test_decode_equals_prefill_bit_exact(rng):
     for p in (41, 66, n - 1):
         assert same_bits(chunk2[p - 41], full[qsl[1] + p]), f"chunked prefill changed position {p}"
     for split in (False, True):
-        dec = run(one(seq[n - 1:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, 1], np.int32),
-                  split=split)
-        assert same_bits(dec[0], full[qsl[1] + n - 1]), f"decode (split={split}) differs from prefill"
+        for decode in (False, True):
+            dec = run(one(seq[n - 1:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, 1], np.int32),
+                      split=split, decode=decode)
+            assert same_bits(dec[0], full[qsl[1] + n - 1]), \
+                f"decode (split={split}, decode kernel={decode}) differs from prefill"
     # decode inside a batch of other decodes: the neighbours must not matter either
     qd = one(np.stack([q[qsl[1] + n - 1], q[qsl[0] + 4], q[qsl[2] + 1]]))
-    dec = run(qd, cache, bt[[1, 0, 2]], sl[[1, 0, 2]], np.arange(4, dtype=np.int32), split=True)
-    assert same_bits(dec[0], full[qsl[1] + n - 1])
-    assert same_bits(dec[1], full[qsl[0] + 4])
+    for decode in (False, True):
+        dec = run(qd, cache, bt[[1, 0, 2]], sl[[1, 0, 2]], np.arange(4, dtype=np.int32),
+                  split=True, decode=decode)
+        assert same_bits(dec[0], full[qsl[1] + n - 1])
+        assert same_bits(dec[1], full[qsl[0] + 4])
+        assert same_bits(dec[2], full[qsl[2] + 1])
+
+
+def test_rows_per_program_do_not_change_bits(rng):
+    """Rows never mix (the row sums are P @ ones on the tensor core), so how many query
+    positions a program takes is a schedule knob: prefill blocks of 4, 8 and 16 positions
+    and the decode kernel give the same bits."""
+    import dataclasses
+
+    h, hkv, d = 8, 2, 32
+    q, cache, bt, sl, qsl = make_batch(rng, [(45, 23), (70, 70), (9, 1)], h, hkv, d)
+    base = run(q, cache, bt, sl, qsl)
+    for bq in (8, 16):
+        cfg = dataclasses.replace(CFG, prefill_block_q=bq)
+        got = paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5, config=cfg, out=np.empty(q.shape, np.float32))
+        assert same_bits(got, base), f"prefill_block_q={bq} changed the bits"
+    assert_close(base, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5), what="attention")
 
 
 def test_sliding_window(rng):

@@ -8,6 +8,7 @@ torch (a test dependency) only holds device memory here.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -68,7 +69,7 @@ def test_gemm_rows_invariant_across_tiles_and_instructions(split):
         assert same_bits(got, full[rows]), f"{name} tile, M={len(rows)}: rows differ from M=300"
 
 
-def attention(q, cache, bt, sl, qsl, split, cfg):
+def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
     from kiln.codegen.triton.paged_attention_launch import paged_attention
 
     t, h, d = q.shape
@@ -78,11 +79,11 @@ def attention(q, cache, bt, sl, qsl, split, cfg):
           torch.empty((t, segs, h, 2), dtype=torch.float32, device="cuda"))
     pos = np.concatenate([np.arange(L - (qsl[i + 1] - qsl[i]), L) for i, L in enumerate(sl)]).astype(np.int32)
     paged_attention(dev(q), dev(cache), dev(bt), dev(sl), dev(qsl), out, scale=d ** -0.5, split=split,
-                    positions=dev(pos), workspace=ws, config=cfg)
+                    positions=dev(pos), workspace=ws, config=cfg, decode=decode)
     return host(out)
 
 
-@pytest.mark.parametrize("cfg", [AttentionConfig(4, 32, 256), AttentionConfig(4, 16, 64)])
+@pytest.mark.parametrize("cfg", [AttentionConfig(4, 32, 256), AttentionConfig(4, 16, 64), AttentionConfig(4, 64, 64)])
 def test_attention_decode_equals_prefill_on_gpu(cfg):
     rng = np.random.default_rng(1)
     h, hkv, d, bs, nb, mb, n = 32, 8, 128, 16, 256, 48, 700
@@ -98,9 +99,19 @@ def test_attention_decode_equals_prefill_on_gpu(cfg):
     assert same_bits(attention(q, cache, bt, sl, qsl, True, cfg), full), "split-KV changed the bits"
     last = qsl[1] + n - 1
     for split in (False, True):
-        dec = attention(np.ascontiguousarray(q[last:last + 1]), cache, bt[1:2], sl[1:2],
-                        np.array([0, 1], np.int32), split, cfg)
-        assert same_bits(dec[0], full[last]), f"decode (split={split}) differs from prefill"
+        for decode in (False, True):
+            dec = attention(np.ascontiguousarray(q[last:last + 1]), cache, bt[1:2], sl[1:2],
+                            np.array([0, 1], np.int32), split, cfg, decode)
+            assert same_bits(dec[0], full[last]), f"decode (split={split}, kernel={decode}) differs from prefill"
+    # rows per program, warps and stages only group rows (16-row mma.sync to 128-row wgmma programs)
+    for bq, warps, stages in ((4, 4, 2), (32, 8, 3), (16, 8, 2)):
+        other = dataclasses.replace(cfg, prefill_block_q=bq, prefill_num_warps=warps, prefill_num_stages=stages)
+        assert same_bits(attention(q, cache, bt, sl, qsl, False, other), full), \
+            f"prefill_block_q={bq}, {warps} warps, {stages} stages changed the bits"
+    many = np.array([[last]] * 5).ravel()  # a decode batch: five copies of the last query
+    dec = attention(np.ascontiguousarray(q[many]), cache, np.repeat(bt[1:2], 5, 0), np.repeat(sl[1:2], 5),
+                    np.arange(6, dtype=np.int32), True, cfg, True)
+    assert all(same_bits(dec[i], full[last]) for i in range(5)), "a batched decode differs from prefill"
     chunk = attention(np.ascontiguousarray(q[qsl[1] + 300:qsl[2]]), cache, bt[1:2], sl[1:2],
                       np.array([0, n - 300], np.int32), False, cfg)
     assert same_bits(chunk, full[qsl[1] + 300:qsl[2]]), "chunked prefill differs"
