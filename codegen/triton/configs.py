@@ -40,6 +40,7 @@ class GemmTile:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 8  # row blocks that walk W's column blocks together (L2 reuse of W)
 
 
 @dataclass(frozen=True)

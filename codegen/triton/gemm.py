@@ -49,10 +49,20 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
                 N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    # grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K); N fastest so a decode step
-    # spreads W's rows over all SMs.
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, SPLIT_K). Programs walk W's column
+    # blocks with GROUP_M row blocks side by side, so the programs in flight share each W
+    # tile through L2 (N-major order re-read all of W from HBM for every row block: at
+    # M = 2,048 that made a prefill GEMM memory-bound). One row block (decode): N-major,
+    # W's rows spread over all SMs. Which program computes a tile never changes its sums.
+    pid, pid_k = tl.program_id(0), tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
     if pid_m * BLOCK_M >= tl.load(n_rows_ptr):
         return
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x and y
@@ -113,8 +123,9 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         signature={"x_ptr": t(x_dtype), "w_ptr": t(x_dtype), "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype),
                    "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k,
-                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k, INTERPRET=False),
-        grid=(cdiv(n, tile.block_n), cdiv(m, tile.block_m), red.split_k),
+                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k,
+                        GROUP_M=tile.group_m, INTERPRET=False),
+        grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, red.split_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
     if red.split_k == 1:
         return [main]
