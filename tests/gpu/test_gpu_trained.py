@@ -3,8 +3,15 @@ package, or KILN_SMOLLM2_GGUF) against transformers on CUDA loading the same fil
 
 Random-weight models cannot show greedy agreement: their logits are nearly flat, so every
 bf16 path flips near-ties (transformers' own bf16 agrees with its f32 on a few prompts in 32).
-A trained model's logits are peaked; this is where the GPU path's greedy tokens must agree
-with transformers' on at least 95 % of 32 prompts for 64 steps. Exact counts are printed.
+A trained model's logits are peaked, but 64 free-running bf16 steps still meet a near-tie
+on most prompts, after which two correct implementations continue differently: measured on
+the H200, transformers' own bf16 kept its f32 sequence on 8 of these 32 prompts, kiln's
+bf16 on 13. So the test measures both ways and asserts the one that a near-tie cannot
+poison: teacher-forced agreement, where both engines see the same 64-token continuation
+(transformers f32's greedy one) and every position's greedy pick is compared, kiln's
+taken from its prompt logprobs (rank 1). kiln must agree on at least 95 % of the 32 x 64
+positions and do no worse than transformers' bf16 does on the same positions. Exact
+counts are printed.
 """
 from __future__ import annotations
 
@@ -55,6 +62,13 @@ def _hf_greedy(model, ids):
     return out[0, len(ids):].tolist()
 
 
+def _hf_forced(model, seq, n_prompt):
+    """transformers' greedy pick at every continuation position of `seq` in one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq], device="cuda")).logits[0]
+    return logits[n_prompt - 1:len(seq) - 1].argmax(-1).tolist()
+
+
 def test_greedy_tokens_agree_with_transformers_on_a_trained_model(models):
     hf16, hf32, llm = models
     tok = llm.get_tokenizer()
@@ -66,7 +80,25 @@ def test_greedy_tokens_agree_with_transformers_on_a_trained_model(models):
     same16 = sum(a == b for a, b in zip(ours, ref16))
     same32 = sum(a == b for a, b in zip(ours, ref32))
     hf_self = sum(a == b for a, b in zip(ref16, ref32))
-    print(f"\n[SmolLM2-135M Q4_1, {len(prompts)} prompts x {STEPS} greedy steps] identical sequences: "
-          f"kiln vs transformers bf16 {same16}/{len(prompts)}, kiln vs transformers f32 {same32}/{len(prompts)}, "
-          f"transformers bf16 vs its f32 {hf_self}/{len(prompts)}")
-    assert same16 >= 0.95 * len(prompts) or same32 >= 0.95 * len(prompts)
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), STEPS) for a, b in zip(ours, ref32)]
+    print(f"\n[SmolLM2-135M Q4_1, {len(prompts)} prompts x {STEPS} free-running greedy steps] identical "
+          f"sequences: kiln vs transformers bf16 {same16}/{len(prompts)}, kiln vs transformers f32 "
+          f"{same32}/{len(prompts)}, transformers bf16 vs its f32 {hf_self}/{len(prompts)}; kiln's first "
+          f"difference from f32 at step {sorted(first)}")
+
+    # teacher-forced: the same continuation (transformers f32's) for everyone
+    seqs = [p + r for p, r in zip(prompts, ref32)]
+    forced = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    kiln_hits = hf16_hits = total = 0
+    for p, seq, out in zip(prompts, seqs, forced):
+        plp = out.prompt_logprobs
+        assert plp is not None and len(plp) == len(seq)
+        picks = [next(t for t, lp in plp[j].items() if lp.rank == 1) for j in range(len(p), len(seq))]
+        kiln_hits += sum(a == b for a, b in zip(picks, seq[len(p):]))
+        hf16_hits += sum(a == b for a, b in zip(_hf_forced(hf16, seq, len(p)), seq[len(p):]))
+        total += len(seq) - len(p)
+    print(f"[teacher-forced on transformers f32's continuations, {total} positions] greedy picks equal to "
+          f"f32's: kiln bf16 {kiln_hits}/{total} ({kiln_hits / total:.2%}), transformers bf16 "
+          f"{hf16_hits}/{total} ({hf16_hits / total:.2%})")
+    assert kiln_hits >= 0.95 * total
+    assert kiln_hits >= hf16_hits - 0.01 * total
