@@ -48,6 +48,8 @@ def main() -> None:
     timed(core.runner, "execute_model", "model_runner.execute_model")
     timed(core.runner, "_metadata", "  of which sampling metadata")
     timed(core.runner, "_chunks", "  of which chunks")
+    if hasattr(core.runner, "_step_inputs"):
+        timed(core.runner, "_step_inputs", "  of which step inputs")
     timed(core.scheduler, "update_from_output", "scheduler.update_from_output")
     timed(eng.output_processor, "process_outputs", "output_processor (detokenize, stops)")
     rng = np.random.default_rng(0)
