@@ -74,6 +74,13 @@ class _StreamDecoder:
         if not (skip_special_tokens or spaces_between_special_tokens):
             self.added_tokens = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         self.last_special = False
+        # Special tokens that decoding skips add no text, and are kept out of the stream: it
+        # holds every id since its last text, so a run of them (EOS or padding sampled over
+        # and over) made each step re-decode the whole run. Every decode the stream makes
+        # drops them anyway, so its text is the same without them.
+        self.skipped_ids: frozenset[int] = frozenset()
+        if skip_special_tokens:
+            self.skipped_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     def _priming_suffix(self, prompt: Sequence[int]) -> list[int]:
         # The shortest suffix of 4..23 tokens that decodes without a broken character,
@@ -95,6 +102,8 @@ class _StreamDecoder:
             return stream
 
     def decode_next(self, token_id: int) -> str:
+        if token_id in self.skipped_ids:
+            return ""
         try:
             text = self.stream.step(self.tokenizer, token_id)
         except (OverflowError, TypeError):
@@ -187,16 +196,21 @@ class IncrementalDetokenizer:
         if self._decoder is None:
             self.token_ids.extend(new_token_ids)
             return None
-        new_token_ids = list(new_token_ids)
         skipped = None
         if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = list(new_token_ids)
             skipped = new_token_ids.pop()
         check_from = len(self.output_text)
-        for token_id in new_token_ids:
-            self.token_ids.append(token_id)
-            self.output_text += self._decoder.decode_next(token_id)
-            if self.min_tokens and len(self.token_ids) <= self.min_tokens:
-                check_from = len(self.output_text)
+        decode_next = self._decoder.decode_next
+        if self.min_tokens:
+            for token_id in new_token_ids:
+                self.token_ids.append(token_id)
+                self.output_text += decode_next(token_id)
+                if len(self.token_ids) <= self.min_tokens:
+                    check_from = len(self.output_text)
+        else:  # one concatenation per step (the usual step brings one token)
+            self.token_ids.extend(new_token_ids)
+            self.output_text += "".join([decode_next(t) for t in new_token_ids])
         if skipped is not None:
             self.token_ids.append(skipped)
 
