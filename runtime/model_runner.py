@@ -208,10 +208,11 @@ class ModelRunner:
         toks = toks_arr.tolist()
         for st, tok in zip(states, toks):
             st.output_token_ids.append(tok)
-        self.batch.append_tokens(plan.rows[sample_idx], toks_arr)
         if len(sample_idx) == len(ids):
+            self.batch.append_tokens(plan.rows, toks_arr)
             sampled = [[tok] for tok in toks]
         else:
+            self.batch.append_tokens(plan.rows[sample_idx], toks_arr)
             sampled = [[] for _ in ids]
             for i, tok in zip(sample_idx, toks):
                 sampled[i] = [tok]

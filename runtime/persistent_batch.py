@@ -102,31 +102,28 @@ class PersistentBatch:
         rows[i] computing lens[i] tokens from starts[i]; sample / all_logits as SeqChunk's."""
         bs = self.block_size
         n = len(rows)
+        positions = starts.astype(np.int32)  # a copy: it is handed out (as the decode step's positions)
         lens = lens.astype(np.int32, copy=False)
-        starts = starts.astype(np.int32, copy=False)
+        seq_lens = positions + lens
         qsl = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
         T = int(qsl[-1])
-        seq_lens = starts + lens
         nblocks = self.num_blocks[rows]
-        short = np.flatnonzero(nblocks * bs < seq_lens)
-        if len(short):
-            s = int(short[0])
+        short = nblocks * bs < seq_lens
+        if short.any():
+            s = int(np.flatnonzero(short)[0])
             raise ValueError(f"sequence {s}: {nblocks[s]} blocks cannot hold {seq_lens[s]} tokens")
         mb = max(int(nblocks.max(initial=0)), 1)
         self._ensure_blocks(mb)
         block_table = self.block_table[rows, :mb]
-        if T == n and (n == 0 or int(lens.min()) == 1):  # all one-token chunks (decode): no repeat
-            seq_of_token = np.arange(n)
-            positions = starts
-            token_rows = rows
-        else:
+        decode = T == n and (n == 0 or int(lens.min()) == 1)  # every chunk is one token
+        if not decode:
             seq_of_token = np.repeat(np.arange(n), lens)
-            positions = (np.arange(T, dtype=np.int32) - qsl[:-1][seq_of_token] + starts[seq_of_token])
-            token_rows = rows[seq_of_token]
-        positions = positions.astype(np.int32)
-        input_ids = self.token_ids[token_rows, positions]
-        slots = (block_table[seq_of_token, positions // bs] * bs + positions % bs).astype(np.int32)
+            positions = (np.arange(T, dtype=np.int32) - qsl[:-1][seq_of_token] + positions[seq_of_token])
+            rows = rows[seq_of_token]
+        input_ids = self.token_ids[rows, positions]  # rows: each token's row from here on
+        block, offset = np.divmod(positions, bs)
+        slots = (self.block_table[rows, block] * bs + offset).astype(np.int32, copy=False)
         if all_logits is not None and all_logits.any():
             pieces = []
             for s in range(n):
@@ -135,11 +132,13 @@ class PersistentBatch:
                 elif sample[s] and lens[s]:
                     pieces.append(qsl[s + 1:s + 2] - 1)
             logits_indices = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+        elif decode and sample.all():  # one logits row per token
+            logits_indices = np.arange(n, dtype=np.int32)
         else:
             logits_indices = (qsl[1:] - 1)[sample & (lens > 0)].astype(np.int32)
         return {
-            "input_ids": input_ids.astype(np.int32, copy=False), "positions": positions, "slot_mapping": slots,
-            "block_table": block_table, "seq_lens": seq_lens.astype(np.int32), "query_start_loc": qsl,
+            "input_ids": input_ids.astype(np.int32, copy=False), "positions": positions.astype(np.int32, copy=False),
+            "slot_mapping": slots, "block_table": block_table, "seq_lens": seq_lens, "query_start_loc": qsl,
             "logits_indices": logits_indices,
         }
 

@@ -85,7 +85,8 @@ def test_gather_equals_prepare_step_over_random_edits(seed):
             if cap == 0:
                 continue
             start = int(rng.integers(0, cap))
-            n = int(rng.integers(1, cap - start + 1)) if rng.random() < 0.5 else min(1, cap - start)
+            r = rng.random()
+            n = int(rng.integers(1, cap - start + 1)) if r < 0.45 else 1 if r < 0.9 else 0  # 0: an empty chunk
             rows.append(row)
             starts.append(start)
             lens.append(n)
@@ -96,6 +97,18 @@ def test_gather_equals_prepare_step_over_random_edits(seed):
         got = batch.gather(np.array(rows, np.intp), np.array(starts, np.int64), np.array(lens, np.int64),
                            np.array(sample, bool), np.array(full, bool))
         assert_same_inputs(got, want)
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1], [0, 2, 1], [2, 0, 1], [0, 0, 0], [3, 0, 0]])
+def test_gather_equals_prepare_step_when_every_chunk_samples(lens):
+    """As many tokens as chunks is not a decode step unless every chunk has one token."""
+    batch = PersistentBatch(BS)
+    toks = [[10 + 7 * r + i for i in range(5)] for r in range(3)]
+    rows = [batch.add(t, [r + 1]) for r, t in enumerate(toks)]
+    starts = [5 - n for n in lens]
+    chunks = [SeqChunk(t[s:s + n], s, [r + 1]) for r, (t, s, n) in enumerate(zip(toks, starts, lens))]
+    got = batch.gather(np.array(rows, np.intp), np.array(starts), np.array(lens), np.ones(3, bool))
+    assert_same_inputs(got, prepare_step(chunks, BS))
 
 
 def test_gather_names_a_short_block_table():
