@@ -131,7 +131,7 @@ class ModelRunnerOutput:
         if len(self.sampled_token_ids) != len(self.req_ids):
             raise ValueError(f"{len(self.req_ids)} request ids but {len(self.sampled_token_ids)} token lists")
         if not self.req_id_to_index:
-            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+            self.req_id_to_index = dict(zip(self.req_ids, range(len(self.req_ids))))
 
 
 @dataclass

@@ -43,6 +43,9 @@ def append_and_check_stop(request: Request, new_token_ids: list[int], max_model_
     """Append sampled tokens one by one, checking after each; on a stop, drop
     the tokens after it from new_token_ids (in place). -> whether it stopped.
     (vLLM: `Scheduler._update_request_with_output`.)"""
+    if len(new_token_ids) == 1:  # the usual step: nothing to drop after a stop
+        request.append_output_token_ids(new_token_ids[0])
+        return check_stop(request, max_model_len)
     for n, token_id in enumerate(new_token_ids, 1):
         request.append_output_token_ids(token_id)
         if check_stop(request, max_model_len):
