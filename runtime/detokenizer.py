@@ -165,7 +165,8 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_buffer_length = params.output_text_buffer_length
         self.token_ids: list[int] = []  # output tokens, stop token included
-        self.output_text = ""
+        self._text = ""
+        self._pieces: list[str] = []  # text decoded since _text was last joined
         self._last_output_text_offset = 0
         self._decoder = None
         if tokenizer is not None and params.detokenize:
@@ -175,6 +176,20 @@ class IncrementalDetokenizer:
                                                params.spaces_between_special_tokens)
             else:
                 self._decoder = _OffsetDecoder(backend, prompt_token_ids, params.skip_special_tokens)
+
+    @property
+    def output_text(self) -> str:
+        """The text so far. Without stop strings nothing reads it per step, so new text is
+        kept in pieces and joined here (appending to one growing string copied it per token)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._pieces.clear()
+        self._text = text
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -200,8 +215,17 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = list(new_token_ids)
             skipped = new_token_ids.pop()
-        check_from = len(self.output_text)
         decode_next = self._decoder.decode_next
+        if not self.stop:  # no stop strings: the text only grows (min_tokens only delays a search)
+            self.token_ids.extend(new_token_ids)
+            for token_id in new_token_ids:
+                text = decode_next(token_id)
+                if text:
+                    self._pieces.append(text)
+            if skipped is not None:
+                self.token_ids.append(skipped)
+            return None
+        check_from = len(self.output_text)
         if self.min_tokens:
             for token_id in new_token_ids:
                 self.token_ids.append(token_id)
