@@ -24,14 +24,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps (all requests running)")
+    ap.add_argument("--token", type=int, default=None,
+                    help="the token every step samples (default: zero logits, so token 0, which is <unk> in "
+                         "tiny-llama: a special token the detokenizer skips)")
     a = ap.parse_args()
     out_len = a.steps + 200
     llm = LLM(a.model, max_model_len=a.prompt + out_len + 16, max_num_seqs=a.requests, max_num_batched_tokens=2048,
               kv_cache_tokens=a.requests * (a.prompt + out_len + 32))
     eng, vocab = llm.engine, llm.engine.vocab_size
     core = eng.core
-    llm.model.executor.execute = lambda inputs: {"logits": np.zeros((len(inputs["logits_indices"]), vocab),
-                                                                    np.float32)}
+
+    def execute(inputs):
+        logits = np.zeros((len(inputs["logits_indices"]), vocab), np.float32)
+        if a.token is not None:
+            logits[:, a.token] = 1.0
+        return {"logits": logits}
+    llm.model.executor.execute = execute
     spent: collections.Counter = collections.Counter()
 
     def timed(obj, name: str, key: str) -> None:
@@ -48,6 +56,11 @@ def main() -> None:
     timed(core.runner, "execute_model", "model_runner.execute_model")
     timed(core.runner, "_metadata", "  of which sampling metadata")
     timed(core.runner, "_chunks", "  of which chunks")
+    if hasattr(core.runner, "_step_inputs"):
+        timed(core.runner, "_step_inputs", "  of which step inputs")
+    timed(core.runner, "_apply", "  of which applying the scheduler's diff")
+    timed(core.runner, "_output", "  of which recording sampled tokens")
+    timed(core.runner.sampler, "sample", "  of which numpy sampler (greedy)")
     timed(core.scheduler, "update_from_output", "scheduler.update_from_output")
     timed(eng.output_processor, "process_outputs", "output_processor (detokenize, stops)")
     rng = np.random.default_rng(0)

@@ -74,6 +74,13 @@ class _StreamDecoder:
         if not (skip_special_tokens or spaces_between_special_tokens):
             self.added_tokens = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
         self.last_special = False
+        # Special tokens that decoding skips add no text, and are kept out of the stream: it
+        # holds every id since its last text, so a run of them (EOS or padding sampled over
+        # and over) made each step re-decode the whole run. Every decode the stream makes
+        # drops them anyway, so its text is the same without them.
+        self.skipped_ids: frozenset[int] = frozenset()
+        if skip_special_tokens:
+            self.skipped_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     def _priming_suffix(self, prompt: Sequence[int]) -> list[int]:
         # The shortest suffix of 4..23 tokens that decodes without a broken character,
@@ -95,6 +102,8 @@ class _StreamDecoder:
             return stream
 
     def decode_next(self, token_id: int) -> str:
+        if token_id in self.skipped_ids:
+            return ""
         try:
             text = self.stream.step(self.tokenizer, token_id)
         except (OverflowError, TypeError):
@@ -156,7 +165,8 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_buffer_length = params.output_text_buffer_length
         self.token_ids: list[int] = []  # output tokens, stop token included
-        self.output_text = ""
+        self._text = ""
+        self._pieces: list[str] = []  # text decoded since _text was last joined
         self._last_output_text_offset = 0
         self._decoder = None
         if tokenizer is not None and params.detokenize:
@@ -166,6 +176,20 @@ class IncrementalDetokenizer:
                                                params.spaces_between_special_tokens)
             else:
                 self._decoder = _OffsetDecoder(backend, prompt_token_ids, params.skip_special_tokens)
+
+    @property
+    def output_text(self) -> str:
+        """The text so far. Without stop strings nothing reads it per step, so new text is
+        kept in pieces and joined here (appending to one growing string copied it per token)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._pieces.clear()
+        self._text = text
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -187,16 +211,30 @@ class IncrementalDetokenizer:
         if self._decoder is None:
             self.token_ids.extend(new_token_ids)
             return None
-        new_token_ids = list(new_token_ids)
         skipped = None
         if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = list(new_token_ids)
             skipped = new_token_ids.pop()
+        decode_next = self._decoder.decode_next
+        if not self.stop:  # no stop strings: the text only grows (min_tokens only delays a search)
+            self.token_ids.extend(new_token_ids)
+            for token_id in new_token_ids:
+                text = decode_next(token_id)
+                if text:
+                    self._pieces.append(text)
+            if skipped is not None:
+                self.token_ids.append(skipped)
+            return None
         check_from = len(self.output_text)
-        for token_id in new_token_ids:
-            self.token_ids.append(token_id)
-            self.output_text += self._decoder.decode_next(token_id)
-            if self.min_tokens and len(self.token_ids) <= self.min_tokens:
-                check_from = len(self.output_text)
+        if self.min_tokens:
+            for token_id in new_token_ids:
+                self.token_ids.append(token_id)
+                self.output_text += decode_next(token_id)
+                if len(self.token_ids) <= self.min_tokens:
+                    check_from = len(self.output_text)
+        else:  # one concatenation per step (the usual step brings one token)
+            self.token_ids.extend(new_token_ids)
+            self.output_text += "".join([decode_next(t) for t in new_token_ids])
         if skipped is not None:
             self.token_ids.append(skipped)
 

@@ -19,6 +19,7 @@ from kiln.runtime.kv_cache_coordinator import get_kv_cache_coordinator
 from kiln.runtime.kv_cache_spec import KVCacheConfig
 from kiln.runtime.kv_cache_utils import KVCacheBlock
 from kiln.runtime.scheduler_stats import PrefixCacheStats
+from kiln.runtime.single_type_kv_cache_manager import FullAttentionManager
 
 if TYPE_CHECKING:
     from kiln.runtime.request import Request
@@ -61,6 +62,10 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # Shared, immutable "no blocks" value (avoids allocating one per call).
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        # One full-attention group: a running request's step that needs no new block and fills
+        # no block has nothing to do in allocate_slots (most decode steps), checked inline.
+        managers = self.coordinator.single_type_managers
+        self._one_full = managers[0] if len(managers) == 1 and type(managers[0]) is FullAttentionManager else None
 
     @property
     def usage(self) -> float:
@@ -114,6 +119,18 @@ class KVCacheManager:
         free pool cannot cover them."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        m = self._one_full
+        if (m is not None and new_computed_blocks is None and not num_new_computed_tokens
+                and not num_lookahead_tokens):
+            held = m.req_to_blocks.get(request.request_id)
+            if held is not None:
+                end = request.num_computed_tokens + num_new_tokens
+                slots = end if end < self.max_model_len else self.max_model_len
+                final = end if end < len(request.all_token_ids) else len(request.all_token_ids)
+                if (-(-slots // m.block_size) <= len(held)
+                        and (not self.enable_caching
+                             or final // m.block_size <= m.num_cached_block.get(request.request_id, 0))):
+                    return self.empty_kv_cache_blocks  # the full path below would return no blocks too
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
         rid = request.request_id
         # Free blocks attention will not read again first (no-op for full

@@ -99,6 +99,7 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
             start += block_size
         return new_hashes
 
+    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]  # Request skips calls before a block fills
     return request_block_hasher
 
 

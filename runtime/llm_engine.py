@@ -103,9 +103,8 @@ class LLMEngine:
         core_outputs = self.core.step()
         now = time.monotonic()
         # Timing of every request that sampled this step, FINAL_ONLY ones included (they return no output yet).
-        states = self.output_processor.states
-        sampled = [(states[o.request_id].metrics, len(states[o.request_id].prompt_token_ids))
-                   for o in core_outputs if o.new_token_ids and o.request_id in states]
+        get = self.output_processor.states.get
+        sampled = [st for o in core_outputs if o.new_token_ids and (st := get(o.request_id)) is not None]
         outputs, to_abort = self.output_processor.process_outputs(core_outputs, now)
         if to_abort:  # stop strings finished these: free their blocks now
             self.core.abort_requests(to_abort)
@@ -118,12 +117,14 @@ class LLMEngine:
     def _log_stats(self, core_outputs: list, outputs: list[RequestOutput], sampled: list) -> None:
         it = IterationStats(num_scheduled_tokens=self.core.last_step_tokens)
         it.num_generation_tokens = sum(len(o.new_token_ids) for o in core_outputs)
-        for m, prompt_len in sampled:
-            if len(m.token_times) == 1:  # its first token: its prompt is done (cached tokens count too, as vLLM)
-                it.time_to_first_tokens.append(m.ttft)
-                it.num_prompt_tokens += prompt_len
-            elif len(m.token_times) >= 2:
-                it.inter_token_latencies.append(m.token_times[-1] - m.token_times[-2])
+        itls = it.inter_token_latencies
+        for st in sampled:  # RequestStates (dropped from the processor if they finished)
+            times = st.metrics.token_times
+            if len(times) >= 2:
+                itls.append(times[-1] - times[-2])
+            elif len(times) == 1:  # its first token: its prompt is done (cached tokens count too, as vLLM)
+                it.time_to_first_tokens.append(st.metrics.ttft)
+                it.num_prompt_tokens += len(st.prompt_token_ids)
         for ro in outputs:
             if ro.metrics is not None and ro.finished:
                 it.finished_requests.extend(finished_stats(ro, self._max_tokens.get(ro.request_id)))

@@ -1,10 +1,11 @@
 """The model runner: applies a SchedulerOutput to its per-request state, runs
 one step on an executor, samples, and hands back ModelRunnerOutput.
 
-vLLM's GPUModelRunner keeps a persistent InputBatch updated by diffs; this one
-keeps, per request, the prompt, the tokens sampled so far, the block table and
-the sampling state (seeded generator, tokenised bad words), and rebuilds the
-flat step arrays each step (runtime/input_batch.py). The executor is anything
+As vLLM's GPUModelRunner keeps a persistent InputBatch updated by diffs, this one
+keeps, per request, the prompt, the tokens sampled so far and the sampling state
+(seeded generator, tokenised bad words), and in a PersistentBatch (one row per
+request: token ids, block table) what the flat step arrays are gathered from
+(runtime/persistent_batch.py; runtime/input_batch.py's prepare_step is the reference). The executor is anything
 with `execute(inputs) -> {name: logits}` and `num_blocks`: numpy now, CUDA later.
 """
 from __future__ import annotations
@@ -15,31 +16,23 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kiln.runtime.gpu_sampler import PromptJob
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.runtime.persistent_batch import PersistentBatch
 from kiln.runtime.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from kiln.runtime.sampling_metadata import SamplingMetadata
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: the sampling-metadata cache keys on the batch's states
 class RunnerRequestState:
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]
+    row: int  # its row in the runner's PersistentBatch (token ids, block table)
     output_token_ids: list[int] = field(default_factory=list)
     generator: np.random.Generator | None = None
     bad_words_token_ids: list | None = None
     prompt_logprobs_done: int = 0  # prompt positions already scored (a resumed request skips them)
-    _block_arr: np.ndarray | None = None  # block_ids as i32, rebuilt only when blocks were added
-
-    def block_array(self) -> np.ndarray:
-        """The block table row as a numpy array, cached: a decode step adds a block only every
-        block_size tokens, and prepare_step concatenates these arrays in C."""
-        if self._block_arr is None or len(self._block_arr) != len(self.block_ids):
-            self._block_arr = np.array(self.block_ids, dtype=np.int32)
-        return self._block_arr
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +47,22 @@ class RunnerRequestState:
         if stop <= p:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+
+@dataclass
+class StepPlan:
+    """The scheduled chunks of one step, in runner order (new requests, then cached ones)."""
+    ids: list[str]
+    states: list[RunnerRequestState]
+    rows: np.ndarray  # intp[n]: PersistentBatch rows
+    starts: np.ndarray  # i64[n]: tokens already computed
+    lens: np.ndarray  # i64[n]: tokens computed this step
+    sample: np.ndarray  # bool[n]: the chunk reaches the request's last token
+    all_logits: np.ndarray | None  # bool[n]: prompt-logprob chunks (None: no request asks for them)
+
+    @property
+    def sample_idx(self) -> list[int]:
+        return np.flatnonzero(self.sample).tolist()
 
 
 class ModelRunner:
@@ -71,12 +80,24 @@ class ModelRunner:
         make = getattr(executor, "make_sampler", None) if gpu_sampling else None
         self.gpu_sampler = make(seed) if make is not None else None
         self.requests: dict[str, RunnerRequestState] = {}
+        self.batch = PersistentBatch(block_size)
+        self._num_prompt_logprobs = 0  # held requests with prompt_logprobs set
+        self._md_key: tuple = ()  # the states the cached SamplingMetadata was built for
+        self._md: SamplingMetadata | None = None
+        self._md_min_tokens = False
 
     # -- state from the scheduler's diff (see sched_output.py) --------------------------
+    def _drop(self, rid: str) -> None:
+        st = self.requests.pop(rid, None)
+        if st is not None:
+            self.batch.remove(st.row)
+            if st.params.prompt_logprobs is not None:
+                self._num_prompt_logprobs -= 1
+
     def _apply(self, so: SchedulerOutput) -> None:
         # Preempted requests keep their state: they come back as resumed cached requests.
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             bad = None
@@ -84,128 +105,179 @@ class ModelRunner:
                 if self.encode is None:
                     raise ValueError("bad_words needs a tokenizer")
                 bad = params.tokenize_bad_words(self.encode, self.vocab_size)
+            self._drop(new.req_id)
+            row = self.batch.add(new.prompt_token_ids, new.block_ids[0])
             self.requests[new.req_id] = RunnerRequestState(
-                new.req_id, list(new.prompt_token_ids), params, list(new.block_ids[0]),
+                new.req_id, list(new.prompt_token_ids), params, row,
                 generator=params.new_generator(), bad_words_token_ids=bad)
+            if params.prompt_logprobs is not None:
+                self._num_prompt_logprobs += 1
         c = so.scheduled_cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            st = self.requests[rid]
-            blocks = c.new_block_ids[i]
-            if rid in c.resumed_req_ids:
-                st.block_ids = list(blocks[0]) if blocks else []
-                st._block_arr = None  # a resumed request's table is new, whatever its length
-            elif blocks:
-                st.block_ids.extend(blocks[0])
-            if rid in c.all_token_ids:
-                st.output_token_ids = c.all_token_ids[rid][len(st.prompt_token_ids):]
+        reqs, batch = self.requests, self.batch
+        if c.resumed_req_ids or c.all_token_ids:
+            for rid, blocks in zip(c.req_ids, c.new_block_ids):
+                st = reqs[rid]
+                if rid in c.resumed_req_ids:  # a resumed request's table is new, whatever its length
+                    batch.set_blocks(st.row, blocks[0] if blocks else [])
+                elif blocks:
+                    batch.append_blocks(st.row, blocks[0])
+                toks = c.all_token_ids.get(rid)
+                if toks is not None:
+                    st.output_token_ids = toks[len(st.prompt_token_ids):]
+                    batch.set_tokens(st.row, toks)
+        else:  # the usual step: only some block tables grow
+            for rid, blocks in zip(c.req_ids, c.new_block_ids):
+                if blocks:
+                    batch.append_blocks(reqs[rid].row, blocks[0])
 
-    def _chunks(self, so: SchedulerOutput) -> tuple[list[str], list[SeqChunk], list[bool]]:
-        ids, chunks, samples = [], [], []
-        starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-        c = so.scheduled_cached_reqs
-        starts.update(zip(c.req_ids, c.num_computed_tokens))
-        for rid, start in starts.items():
-            n = so.num_scheduled_tokens[rid]
-            st = self.requests[rid]
-            tokens = st.tokens(start, start + n)
-            sample = start + n >= st.num_tokens
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's block table as the runner holds it."""
+        return self.batch.block_ids(self.requests[req_id].row)
+
+    def _chunks(self, so: SchedulerOutput) -> StepPlan:
+        new, c = so.scheduled_new_reqs, so.scheduled_cached_reqs
+        if new:
+            ids = [n.req_id for n in new] + c.req_ids
+            starts = [n.num_computed_tokens for n in new] + c.num_computed_tokens
+        else:
+            ids, starts = list(c.req_ids), c.num_computed_tokens
+        n = len(ids)
+        reqs = self.requests
+        states = [reqs[rid] for rid in ids]
+        rows = np.fromiter([st.row for st in states], np.intp, n)
+        starts = np.array(starts, np.int64)
+        lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, ids), np.int64, n)
+        ends = starts + lens
+        sample = ends >= self.batch.num_tokens[rows]
+        all_logits = None
+        if self._num_prompt_logprobs:
             # prompt logprobs: logits of every prompt position this chunk computes
-            want_prompt = (st.params.prompt_logprobs is not None and start < len(st.prompt_token_ids) - 1
-                           and start + n > st.prompt_logprobs_done)
-            ids.append(rid)
-            samples.append(sample)
-            chunks.append(SeqChunk(tokens, start, st.block_array(), sample=sample, all_logits=want_prompt))
-        return ids, chunks, samples
+            all_logits = np.array([st.params.prompt_logprobs is not None and s < len(st.prompt_token_ids) - 1
+                                   and e > st.prompt_logprobs_done
+                                   for st, s, e in zip(states, starts.tolist(), ends.tolist())], dtype=bool)
+        return StepPlan(ids, states, rows, starts, lens, sample, all_logits)
 
-    # -- one step -----------------------------------------------------------------------
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
-        ids, chunks, samples = self._chunks(so)
-        if self.gpu_sampler is not None:
-            return self._execute_sampling_on_device(ids, chunks, samples)
-        logits = next(iter(self.executor.execute(prepare_step(chunks, self.block_size)).values()))
-        rows, prompt_lps, row = [], {}, 0
-        for rid, ch, sample in zip(ids, chunks, samples):
-            if ch.all_logits:
-                n = len(ch.token_ids)
-                prompt_lps[rid] = self._prompt_logprobs(self.requests[rid], ch, logits[row:row + n])
+    def _step_inputs(self, plan: StepPlan) -> dict[str, np.ndarray]:
+        return self.batch.gather(plan.rows, plan.starts, plan.lens, plan.sample, plan.all_logits)
+
+    @staticmethod
+    def _logits_layout(plan: StepPlan) -> tuple[list[int], list[tuple[int, int]]]:
+        """-> (the logits row of each sampling request, in order; (chunk index, first row) of
+        each prompt-logprob chunk). Rows follow prepare_step's logits_indices."""
+        if plan.all_logits is None or not plan.all_logits.any():
+            return list(range(int(np.count_nonzero(plan.sample)))), []
+        rows, prompt_chunks, row = [], [], 0
+        for i, (full, sample, n) in enumerate(zip(plan.all_logits.tolist(), plan.sample.tolist(),
+                                                  plan.lens.tolist())):
+            if full:
+                prompt_chunks.append((i, row))
                 row += n
                 if sample:
                     rows.append(row - 1)
             elif sample:
                 rows.append(row)
                 row += 1
-        sample_idx = [i for i, s in enumerate(samples) if s]
-        states = [self.requests[ids[i]] for i in sample_idx]
-        out = self.sampler.sample(logits[rows], self._metadata(states)) if states else None
-        return self._output(ids, sample_idx, states, out, prompt_lps)
+        return rows, prompt_chunks
 
-    @staticmethod
-    def _output(ids: list[str], sample_idx: list[int], states: list[RunnerRequestState], out,
+    # -- one step -----------------------------------------------------------------------
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        plan = self._chunks(so)
+        if self.gpu_sampler is not None:
+            return self._execute_sampling_on_device(plan)
+        logits = next(iter(self.executor.execute(self._step_inputs(plan)).values()))
+        rows, prompt_chunks = self._logits_layout(plan)
+        prompt_lps = {}
+        for i, r0 in prompt_chunks:
+            start, n = int(plan.starts[i]), int(plan.lens[i])
+            prompt_lps[plan.ids[i]] = self._prompt_logprobs(plan.states[i], start, n, logits[r0:r0 + n])
+        sample_idx = plan.sample_idx
+        states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
+        out = self.sampler.sample(logits[rows], self._metadata(states)) if states else None
+        return self._output(plan, sample_idx, states, out, prompt_lps)
+
+    def _output(self, plan: StepPlan, sample_idx: list[int], states: list[RunnerRequestState], out,
                 prompt_lps: dict) -> ModelRunnerOutput:
         """Record each sampled token with its request and hand the step's results back."""
-        sampled: list[list[int]] = [[] for _ in ids]
+        ids = plan.ids
+        if not states:
+            return ModelRunnerOutput(ids, [[] for _ in ids], [None] * len(ids), prompt_logprobs=prompt_lps)
+        toks_arr = np.asarray(out.sampled_token_ids)
+        toks = toks_arr.tolist()
+        for st, tok in zip(states, toks):
+            st.output_token_ids.append(tok)
+        if len(sample_idx) == len(ids):
+            self.batch.append_tokens(plan.rows, toks_arr)
+            sampled = [[tok] for tok in toks]
+        else:
+            self.batch.append_tokens(plan.rows[sample_idx], toks_arr)
+            sampled = [[] for _ in ids]
+            for i, tok in zip(sample_idx, toks):
+                sampled[i] = [tok]
         logprobs: list = [None] * len(ids)
-        for j, i in enumerate(sample_idx):
-            tok = int(out.sampled_token_ids[j])
-            sampled[i] = [tok]
-            states[j].output_token_ids.append(tok)
-            if out.logprobs is not None and states[j].params.logprobs is not None:
-                logprobs[i] = out.logprobs.slice(j, j + 1)
+        if out.logprobs is not None:
+            for j, i in enumerate(sample_idx):
+                if states[j].params.logprobs is not None:
+                    logprobs[i] = out.logprobs.slice(j, j + 1)
         return ModelRunnerOutput(ids, sampled, logprobs, prompt_logprobs=prompt_lps)
 
     def _metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
-        return SamplingMetadata.from_requests(
-            [s.params for s in states], [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states], self.vocab_size,
+        """The batch's SamplingMetadata. Everything in it but the tokens generated so far is
+        fixed per request, so while the sampled requests are the same ones in the same order
+        (every decode step of a steady batch) the previous step's arrays are reused."""
+        key = tuple(states)  # RunnerRequestState compares by identity
+        outputs = [s.output_token_ids for s in states]
+        if key == self._md_key:
+            return self._md.next_step(outputs, [s.params for s in states] if self._md_min_tokens else None,
+                                      self.eos_token_ids)
+        self._md = SamplingMetadata.from_requests(
+            [s.params for s in states], [s.prompt_token_ids for s in states], outputs, self.vocab_size,
             generators=[s.generator for s in states],
             bad_words_token_ids=[s.bad_words_token_ids for s in states], eos_token_ids=self.eos_token_ids)
+        self._md_key = key
+        self._md_min_tokens = any(s.params.min_tokens for s in states)
+        return self._md
 
-    def _prompt_logprobs(self, st: RunnerRequestState, ch: SeqChunk, logits: np.ndarray) -> LogprobsTensors | None:
+    def _prompt_logprobs(self, st: RunnerRequestState, start: int, n: int,
+                         logits: np.ndarray) -> LogprobsTensors | None:
         """Row p of the chunk predicts prompt token start + p + 1 (vLLM: _get_prompt_logprobs_dict)."""
-        job = self._prompt_job(st, ch)
+        job = self._prompt_job(st, start, n)
         if job is None:
             return None
         skip, n, targets, k = job
         return gather_logprobs(compute_logprobs(logits[skip:n]), k, targets)
 
-    def _prompt_job(self, st: RunnerRequestState, ch: SeqChunk):
+    def _prompt_job(self, st: RunnerRequestState, start: int, num_tokens: int):
         """-> (first row, end row, target tokens, top k) of the chunk's rows still to score, or None."""
         prompt = st.prompt_token_ids
-        skip = max(0, st.prompt_logprobs_done - ch.start_pos)
-        n = min(len(ch.token_ids), len(prompt) - 1 - ch.start_pos)
+        skip = max(0, st.prompt_logprobs_done - start)
+        n = min(num_tokens, len(prompt) - 1 - start)
         if n <= skip:
             return None
-        st.prompt_logprobs_done = ch.start_pos + n
+        st.prompt_logprobs_done = start + n
         k = st.params.prompt_logprobs
         k = self.vocab_size if k == -1 else k
-        targets = np.asarray(prompt[ch.start_pos + 1 + skip: ch.start_pos + 1 + n], dtype=np.int64)
+        targets = np.asarray(prompt[start + 1 + skip: start + 1 + n], dtype=np.int64)
         return skip, n, targets, k
 
-    def _execute_sampling_on_device(self, ids: list[str], chunks: list[SeqChunk],
-                                    samples: list[bool]) -> ModelRunnerOutput:
+    def _execute_sampling_on_device(self, plan: StepPlan) -> ModelRunnerOutput:
         """execute_model with the logits left on the device: the executor runs the step and
         the GpuSampler in one call, on the same rows, metadata and prompt-logprob targets."""
-        rows, jobs, prompt_lps, row = [], {}, {}, 0
-        for rid, ch, sample in zip(ids, chunks, samples):
-            if ch.all_logits:
-                job = self._prompt_job(self.requests[rid], ch)
-                prompt_lps[rid] = None
-                if job is not None:
-                    skip, _, targets, k = job
-                    jobs[rid] = PromptJob(row + skip, targets.astype(np.int32), k)
-                row += len(ch.token_ids)
-                if sample:
-                    rows.append(row - 1)
-            elif sample:
-                rows.append(row)
-                row += 1
-        sample_idx = [i for i, s in enumerate(samples) if s]
-        states = [self.requests[ids[i]] for i in sample_idx]
+        rows, prompt_chunks = self._logits_layout(plan)
+        jobs, prompt_lps = {}, {}
+        for i, r0 in prompt_chunks:
+            rid = plan.ids[i]
+            job = self._prompt_job(plan.states[i], int(plan.starts[i]), int(plan.lens[i]))
+            prompt_lps[rid] = None
+            if job is not None:
+                skip, _, targets, k = job
+                jobs[rid] = PromptJob(r0 + skip, targets.astype(np.int32), k)
+        sample_idx = plan.sample_idx
+        states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
         out, prompt = self.executor.execute_and_sample(
-            prepare_step(chunks, self.block_size), self.gpu_sampler, rows, self._metadata(states) if states else None,
+            self._step_inputs(plan), self.gpu_sampler, rows, self._metadata(states) if states else None,
             seeds=[s.params.seed for s in states], prompt=list(jobs.values()))
         prompt_lps.update(zip(jobs, prompt))
-        return self._output(ids, sample_idx, states, out, prompt_lps)
+        return self._output(plan, sample_idx, states, out, prompt_lps)

@@ -89,39 +89,38 @@ class OutputProcessor:
         """-> (outputs for callers, engine ids to abort because a stop string ended them)."""
         now = time.monotonic() if now is None else now
         results, to_abort = [], []
+        states, final_only, stop = self.states, OutputKind.FINAL_ONLY, FinishReason.STOP
         for out in outputs:
-            st = self.states.get(out.request_id)
+            st = states.get(out.request_id)
             if st is None:
                 continue  # aborted while the step ran
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if out.new_prompt_logprobs is not None:
                 st.logprobs.update_from_output(prompt=out.new_prompt_logprobs)
-            if out.new_token_ids:
-                self._record_tokens(st, out, now)
-                stop_str = st.detokenizer.update(out.new_token_ids, finish_reason == FinishReason.STOP)
+            new_token_ids = out.new_token_ids
+            if new_token_ids:
+                m = st.metrics  # inline: this runs per request per step
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+                m.num_generation_tokens += len(new_token_ids)
+                m.token_times.append(now)
+                if out.new_logprobs is not None:
+                    st.logprobs.update_from_output(sample=out.new_logprobs)
+                stop_str = st.detokenizer.update(new_token_ids, finish_reason == stop)
                 if stop_str is not None and finish_reason is None:
-                    finish_reason, stop_reason = FinishReason.STOP, stop_str
+                    finish_reason, stop_reason = stop, stop_str
                     to_abort.append(st.request_id)
             st.num_cached_tokens = out.num_cached_tokens
-            finished = finish_reason is not None
-            if finished:
+            if finish_reason is not None:
                 st.metrics.finished_time = now
-                del self.states[st.request_id]
-            ro = self._make_output(st, finished, finish_reason, stop_reason)
+                del states[st.request_id]
+            elif st.output_kind == final_only:
+                continue  # nothing to show before it finishes (what _make_output says)
+            ro = self._make_output(st, finish_reason is not None, finish_reason, stop_reason)
             if ro is not None:
                 results.append(ro)
         return results, to_abort
-
-    @staticmethod
-    def _record_tokens(st: RequestState, out: EngineCoreOutput, now: float) -> None:
-        m = st.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.last_token_time = now
-        m.num_generation_tokens += len(out.new_token_ids)
-        m.token_times.append(now)
-        if out.new_logprobs is not None:
-            st.logprobs.update_from_output(sample=out.new_logprobs)
 
     def _completion(self, st: RequestState, finished: bool, finish_reason, stop_reason) -> CompletionOutput:
         delta = st.output_kind == OutputKind.DELTA

@@ -81,19 +81,24 @@ class Request:
         self.min_tokens: int = int(getattr(sampling_params, "min_tokens", 0) or 0)
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
         self.stop_token_ids: frozenset[int] = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
+        # read per step by the scheduler (prompt-logprobs chunks want a logits row per token)
+        self.prompt_logprobs: int | None = getattr(sampling_params, "prompt_logprobs", None)
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id that finished it, if any
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Plain attributes (read per request per step): read-only by convention, mutate
+        # through append_output_token_ids.
+        self.output_token_ids: list[int] = []  # generated tokens
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + generated tokens
         self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
 
         self.block_hashes: list[BlockHash] = []
         self.block_hasher: Callable[[Request], list[BlockHash]] | None = None
+        self._hash_block_size: int | None = None
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 
@@ -101,36 +106,30 @@ class Request:
         """Attach the hasher (the scheduler does, with its block size) and hash
         the full blocks present now; later blocks are hashed as tokens arrive."""
         self.block_hasher = block_hasher
+        # A hasher that says its block size is called only once a new block is full.
+        self._hash_block_size: int | None = getattr(block_hasher, "block_size", None)
         self.block_hashes = []
         self.block_hashes.extend(block_hasher(self))
 
     @property
-    def output_token_ids(self) -> list[int]:
-        """Generated tokens (read-only by convention: mutate through append_output_token_ids)."""
-        return self._output_token_ids
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt + generated tokens (read-only by convention)."""
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):
-            self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
             token_ids = list(token_ids)
-            self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
-        if self.block_hasher is not None:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+        if self.block_hasher is not None and (
+                self._hash_block_size is None
+                or (len(self.block_hashes) + 1) * self._hash_block_size <= len(self.all_token_ids)):
             self.block_hashes.extend(self.block_hasher(self))
 
     def is_finished(self) -> bool:

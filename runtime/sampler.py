@@ -95,6 +95,12 @@ def gather_logprobs(logprobs: np.ndarray, num_logprobs: int, token_ids: np.ndarr
     )
 
 
+def _has_logits_processors(md: SamplingMetadata) -> bool:
+    """Whether _apply_logits_processors would touch the logits."""
+    return (md.allowed_token_ids_mask is not None or bool(md.bad_words_token_ids) or md.min_tokens_rows is not None
+            or md.logit_bias_rows is not None or not md.no_penalties)
+
+
 class Sampler:
     """Samples one token per row. Holds the generator for unseeded requests (its only state)."""
 
@@ -104,10 +110,15 @@ class Sampler:
     def sample(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] (any float dtype; not modified) -> SamplerOutput."""
         md = metadata
-        logits = np.array(logits, dtype=np.float32)  # a copy: every step below works in place
+        logits = np.asarray(logits)
         if logits.shape != (md.batch_size, md.vocab_size):
             raise ValueError(f"logits {logits.shape} do not match {md.batch_size} requests "
                              f"over a vocabulary of {md.vocab_size}")
+        if (md.all_greedy and md.max_num_logprobs is None and logits.dtype == np.float32
+                and not _has_logits_processors(md)):
+            # Nothing below would change the logits: the argmax of the copy is the argmax of these.
+            return SamplerOutput(sampled_token_ids=logits.argmax(axis=1).astype(np.int32), logprobs=None)
+        logits = np.array(logits, dtype=np.float32)  # a copy: every step below works in place
         raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
 
         self._apply_logits_processors(logits, md)

@@ -3,18 +3,36 @@
 Ported from vLLM's `vllm/v1/sample/metadata.py` (`SamplingMetadata`) plus the
 per-request state vLLM keeps in `InputBatch` and the built-in logits
 processors (`vllm/v1/sample/logits_processor/builtin.py`: min_tokens,
-logit_bias, min_p). vLLM updates persistent tensors incrementally; here
-`from_requests` rebuilds the arrays from per-request state every step, which
-is cheap next to a forward pass on the CPU and keeps no hidden state.
+logit_bias, min_p). `from_requests` builds the arrays from per-request state;
+while a batch keeps the same requests in the same order, `next_step` reuses
+them and rebuilds only what depends on the generated tokens (as vLLM updates
+its persistent tensors only when the batch changes).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from kiln.runtime.sampling_params import SAMPLING_EPS, SamplingParams, SamplingType
+
+
+def _min_tokens_entries(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                        eos_token_ids: Sequence[int], vocab_size: int):
+    """min_tokens: forbid every stop token while the output is still too short.
+    -> (rows, cols) as i64 arrays, or (None, None)."""
+    mt_rows: list[int] = []
+    mt_cols: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            stops = sorted(t for t in p.all_stop_token_ids(eos_token_ids) if 0 <= t < vocab_size)
+            mt_rows += [i] * len(stops)
+            mt_cols += stops
+    if not mt_rows:
+        return None, None
+    return np.array(mt_rows, dtype=np.int64), np.array(mt_cols, dtype=np.int64)
 
 
 def pad_token_ids(token_ids: Sequence[Sequence[int]], pad: int) -> np.ndarray:
@@ -54,6 +72,20 @@ class SamplingMetadata:
     @property
     def batch_size(self) -> int:
         return len(self.temperature)
+
+    def next_step(self, output_token_ids: Sequence[Sequence[int]], params: Optional[Sequence[SamplingParams]],
+                  eos_token_ids: Sequence[int] = ()) -> "SamplingMetadata":
+        """The metadata of the same requests, in the same order, one step on: only what
+        depends on the tokens generated so far is rebuilt (the model runner's steady decode
+        batch). params: the requests' params, needed only when one has min_tokens (None: none
+        has). Equals from_requests on the same inputs (tests/test_persistent_batch.py)."""
+        if len(output_token_ids) != self.batch_size:
+            raise ValueError("next_step needs one output list per row")
+        rows = cols = None
+        if params is not None:
+            rows, cols = _min_tokens_entries(params, output_token_ids, eos_token_ids, self.vocab_size)
+        return dataclasses.replace(self, output_token_ids=output_token_ids, min_tokens_rows=rows,
+                                   min_tokens_cols=cols)
 
     @classmethod
     def from_requests(
@@ -118,13 +150,7 @@ class SamplingMetadata:
                                      "use SamplingParams.tokenize_bad_words")
                 bad_words[i] = bad[i]
 
-        # min_tokens: forbid every stop token while the output is still too short.
-        mt_rows, mt_cols = [], []
-        for i, p in enumerate(params):
-            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-                stops = sorted(t for t in p.all_stop_token_ids(eos_token_ids) if 0 <= t < vocab_size)
-                mt_rows += [i] * len(stops)
-                mt_cols += stops
+        mt_rows, mt_cols = _min_tokens_entries(params, output_token_ids, eos_token_ids, vocab_size)
         lb_rows, lb_cols, lb_vals = [], [], []
         for i, p in enumerate(params):
             for tok, bias in (p.logit_bias or {}).items():
@@ -153,8 +179,8 @@ class SamplingMetadata:
             output_token_ids=output_token_ids,
             allowed_token_ids_mask=allowed_mask,
             bad_words_token_ids=bad_words,
-            min_tokens_rows=idx(mt_rows),
-            min_tokens_cols=idx(mt_cols),
+            min_tokens_rows=mt_rows,
+            min_tokens_cols=mt_cols,
             logit_bias_rows=idx(lb_rows),
             logit_bias_cols=idx(lb_cols),
             logit_bias_values=np.array(lb_vals, dtype=np.float32) if lb_vals else None,

@@ -79,18 +79,20 @@ class CachedRequestData:
         """Built before the requests' computed counts advance for this step.
         (vLLM: `Scheduler._make_cached_request_data`.)"""
         data = cls()
-        for idx, req in enumerate(itertools.chain(running_reqs, resumed_reqs)):
+        req_ids, new_token_ids, new_block_ids = data.req_ids, data.new_token_ids, data.new_block_ids
+        computed, num_output = data.num_computed_tokens, data.num_output_tokens
+        for req in itertools.chain(running_reqs, resumed_reqs):
             rid = req.request_id
             start = req.num_computed_tokens
-            data.req_ids.append(rid)
-            data.new_token_ids.append(req.all_token_ids[start:start + num_scheduled_tokens[rid]])
-            if idx >= len(running_reqs):
-                data.resumed_req_ids.add(rid)
+            tokens = req.all_token_ids
+            req_ids.append(rid)
+            new_token_ids.append(tokens[start:start + num_scheduled_tokens[rid]])
             if rid not in prev_step_scheduled_req_ids:
-                data.all_token_ids[rid] = list(req.all_token_ids)
-            data.new_block_ids.append(new_blocks[rid].get_block_ids(allow_none=True))
-            data.num_computed_tokens.append(start)
-            data.num_output_tokens.append(req.num_output_tokens)
+                data.all_token_ids[rid] = list(tokens)
+            new_block_ids.append(new_blocks[rid].get_block_ids(allow_none=True))
+            computed.append(start)
+            num_output.append(req.num_output_tokens)
+        data.resumed_req_ids.update(r.request_id for r in resumed_reqs)
         return data
 
     def is_resumed(self, req_id: str) -> bool:
@@ -129,7 +131,7 @@ class ModelRunnerOutput:
         if len(self.sampled_token_ids) != len(self.req_ids):
             raise ValueError(f"{len(self.req_ids)} request ids but {len(self.sampled_token_ids)} token lists")
         if not self.req_id_to_index:
-            self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+            self.req_id_to_index = dict(zip(self.req_ids, range(len(self.req_ids))))
 
 
 @dataclass

@@ -49,9 +49,11 @@ class _Step:
     logits_rows: dict[str, int] = field(default_factory=dict)  # rows of logits each request will want
 
     def schedule(self, request: Request, num_tokens: int, blocks: KVCacheBlocks) -> None:
-        self.new_blocks[request.request_id] = blocks
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.logits_rows[request.request_id] = num_tokens if _wants_prompt_rows(request) else 1
+        rid = request.request_id
+        self.new_blocks[rid] = blocks
+        self.num_scheduled_tokens[rid] = num_tokens
+        self.logits_rows[rid] = num_tokens if (request.prompt_logprobs is not None
+                                               and _wants_prompt_rows(request)) else 1
         self.token_budget -= num_tokens
 
     def unschedule_running(self, request: Request) -> None:
@@ -61,9 +63,12 @@ class _Step:
         self.new_blocks.pop(request.request_id)
 
 
+_PREEMPTED = int(RequestStatus.PREEMPTED)  # every status above it is a finished one
+
+
 def _wants_prompt_rows(request: Request) -> bool:
     """Its next chunk still scores prompt positions: one logits row per chunk token."""
-    return (getattr(request.sampling_params, "prompt_logprobs", None) is not None
+    return (request.prompt_logprobs is not None
             and request.num_computed_tokens < request.num_prompt_tokens - 1)
 
 
@@ -186,22 +191,29 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        cap_rows = self.max_num_logits_rows is not None
         req_index = 0
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
             if 0 < threshold < num_new:
                 num_new = threshold
             # vLLM clamps to max_model_len - 1 - computed (for spec tokens),
             # which would strand a prompt of exactly max_model_len tokens.
-            num_new = min(num_new, step.token_budget, self.max_model_len - request.num_computed_tokens)
-            if num_new > 0:
+            if num_new > step.token_budget:  # min(num_new, budget, room), without the call
+                num_new = step.token_budget
+            if num_new > max_model_len - computed:
+                num_new = max_model_len - computed
+            if num_new > 0 and cap_rows:
                 num_new = self._cap_logits_rows(request, num_new, step)
             if num_new <= 0:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
                 victim, req_index = self._preempt_one(step, req_index)
@@ -309,8 +321,9 @@ class Scheduler:
         self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
         # Advance after building the output (it carries the pre-step counts),
         # so a prefill can be scheduled again in the very next step.
+        requests = self.requests
         for rid, n in step.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
+            requests[rid].num_computed_tokens += n
         self.finished_req_ids = set()  # a new set: the output keeps the old one
         return out
 
@@ -323,22 +336,26 @@ class Scheduler:
         outputs: dict[str, EngineCoreOutput] = {}
         stopped: set[int] = set()
         index_of = model_runner_output.req_id_to_index
+        sampled = model_runner_output.sampled_token_ids
+        all_logprobs = model_runner_output.logprobs
+        requests, max_model_len = self.requests, self.max_model_len
         for rid in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(rid)
-            if request is None or request.is_finished():
+            request = requests.get(rid)
+            if request is None or request.status > _PREEMPTED:
                 continue  # finished (aborted) while the step ran
             idx = index_of.get(rid)
-            if idx is None or request.num_computed_tokens < request.num_tokens:
+            if idx is None or request.num_computed_tokens < len(request.all_token_ids):
                 continue  # a partial prefill chunk samples nothing (any token given is discarded)
-            new_token_ids = list(model_runner_output.sampled_token_ids[idx])
+            new_token_ids = list(sampled[idx])
             if not new_token_ids:
                 continue
-            is_stopped = append_and_check_stop(request, new_token_ids, self.max_model_len)
-            finish_reason = request.get_finished_reason() if is_stopped else None
+            is_stopped = append_and_check_stop(request, new_token_ids, max_model_len)
+            finish_reason = None
             if is_stopped:
+                finish_reason = request.get_finished_reason()
                 self._free_request(request)
                 stopped.add(id(request))
-            logprobs = model_runner_output.logprobs[idx] if model_runner_output.logprobs else None
+            logprobs = all_logprobs[idx] if all_logprobs else None
             if isinstance(logprobs, list):
                 logprobs = logprobs[:len(new_token_ids)]
             outputs[rid] = EngineCoreOutput(

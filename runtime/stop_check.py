@@ -15,14 +15,17 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     Order (as vLLM): below min_tokens nothing but the length limit stops it;
     then EOS (unless ignore_eos), then stop token ids (recorded as
     stop_reason), then max_tokens / max_model_len."""
-    if request.num_tokens >= max_model_len and request.num_output_tokens < request.min_tokens:
-        # vLLM lets min_tokens win here, which would grow a request past the KV
-        # cache; max_model_len is a hard limit in kiln.
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    if request.num_output_tokens < request.min_tokens:
+    output = request.output_token_ids
+    num_output = len(output)
+    num_tokens = request.num_prompt_tokens + num_output  # request.num_tokens, without the property
+    if num_output < request.min_tokens:
+        if num_tokens >= max_model_len:
+            # vLLM lets min_tokens win here, which would grow a request past the KV
+            # cache; max_model_len is a hard limit in kiln.
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
         return False
-    last = request.output_token_ids[-1]
+    last = output[-1]
     if not request.ignore_eos and last in request.eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
@@ -30,7 +33,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
         return True
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+    if num_tokens >= max_model_len or num_output >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
@@ -40,6 +43,9 @@ def append_and_check_stop(request: Request, new_token_ids: list[int], max_model_
     """Append sampled tokens one by one, checking after each; on a stop, drop
     the tokens after it from new_token_ids (in place). -> whether it stopped.
     (vLLM: `Scheduler._update_request_with_output`.)"""
+    if len(new_token_ids) == 1:  # the usual step: nothing to drop after a stop
+        request.append_output_token_ids(new_token_ids[0])
+        return check_stop(request, max_model_len)
     for n, token_id in enumerate(new_token_ids, 1):
         request.append_output_token_ids(token_id)
         if check_stop(request, max_model_len):

@@ -143,6 +143,38 @@ def test_skip_special_tokens(tok, stream):
     assert "".join(feed(kept, ids)) == "Hi<|im_end|> there"
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole_chars", "split_chars"])
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_of_skipped_special_tokens_give_the_streams_own_text(tok, seed, whole):
+    """Skipped special tokens never reach the DecodeStream (a long run of them made every
+    step re-decode the run); the text, piece by piece, is what tokenizers' own DecodeStream
+    fed every id gives, and what decoding the whole output gives."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    specials = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+    words = [encode(tok, " " + w) for w in MULTIBYTE.split()]  # whole characters: a full decode agrees
+    if not whole:  # specials inside a character's bytes too
+        words = [[t] for t in encode(tok, MULTIBYTE)]
+    ids: list[int] = []
+    while len(ids) < 300:
+        if rng.random() < 0.3:
+            ids += [int(rng.choice(specials))] * int(rng.integers(1, 40))
+        else:
+            ids += words[int(rng.integers(0, len(words)))]
+    prompt = encode(tok, PROMPT)
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams(), use_decode_stream=True)
+    oracle = tokenizers.decoders.DecodeStream(skip_special_tokens=True)
+    for t in prompt[-4:]:
+        oracle.step(tok, t)
+    for t in ids:
+        before = len(detok.output_text)
+        detok.update([t], stop_terminated=False)
+        assert detok.output_text[before:] == (oracle.step(tok, t) or "")
+    if whole:
+        assert detok.output_text == tok.decode(ids, skip_special_tokens=True)
+
+
 def test_stop_token_text_is_left_out_unless_asked(tok):
     im_end = tok.token_to_id("<|im_end|>")
     ids = encode(tok, "Done") + [im_end]
