@@ -92,6 +92,10 @@ def main() -> None:
                     "and of the prefill step")
     ap.add_argument("--attn-block-q", type=int, help="paged attention query positions per program in prefill buckets")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
+                    "each at --profile-context tokens (KV left as allocated: timing only)")
+    ap.add_argument("--profile-context", type=int, default=1500)
     ap.add_argument("--json")
     a = ap.parse_args()
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
@@ -100,7 +104,7 @@ def main() -> None:
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
     import dataclasses
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
-                            config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=8,
+                            config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                             max_num_batched_tokens=max(2048, a.prefill), block_size=16,
                             batch_invariant=not a.no_batch_invariance,
                             configs=Configs(lookup=_lookup(a)))
@@ -115,7 +119,8 @@ def main() -> None:
     shapes = graph.checkpoint_weights()  # the fused graph stacks some of them (q/k/v, gate/up)
     load = random_weights()
     t0 = time.perf_counter()
-    ex = CudaExecutor(bundle, lambda n: load(n, shapes[n]), num_blocks=(a.max_model_len // 16) * 4)
+    nb = (a.max_model_len // 16) * 4 + (a.profile_batch or 0) * (a.profile_context // 16 + 1)
+    ex = CudaExecutor(bundle, lambda n: load(n, shapes[n]), num_blocks=nb)
     res["weights_gb"] = sum(int(np.prod(s)) * 2 for s in shapes.values()) / 1e9
     bs = 16
     blocks = list(range(1, a.max_model_len // bs + 1))
@@ -140,6 +145,12 @@ def main() -> None:
           f"= {1e3 / res['decode_gpu_ms']:.1f} tok/s; host side {dt * 1e3 - res['decode_gpu_ms']:.2f} ms")
     if a.profile:
         res["profile"] = profile(ex, prepare_step([SeqChunk([tok], pos, blocks)], bs))
+    if a.profile_batch:
+        per, first = a.profile_context // bs + 1, a.max_model_len // bs * 4
+        chunks = [SeqChunk([1], a.profile_context, list(range(first + i * per, first + (i + 1) * per)))
+                  for i in range(a.profile_batch)]
+        res["batch_profile"] = profile(ex, prepare_step(chunks, bs),
+                                       f"{a.profile_batch}-sequence decode at {a.profile_context} tokens")
     p = rng.integers(0, cfg.vocab_size, size=a.prefill).tolist()
     ex.execute(prepare_step([SeqChunk(p, 0, blocks)], bs))
     t0 = time.perf_counter()
