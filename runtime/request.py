@@ -83,6 +83,10 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
         # read per step by the scheduler (prompt-logprobs chunks want a logits row per token)
         self.prompt_logprobs: int | None = getattr(sampling_params, "prompt_logprobs", None)
+        # Tokens that may end the request once min_tokens are out: check_stop runs only for
+        # these, at a length limit, or below min_tokens (stop_check.might_stop).
+        self.stop_check_ids: frozenset[int] = self.stop_token_ids | (
+            frozenset() if self.ignore_eos else self.eos_token_ids)
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id that finished it, if any
@@ -130,6 +134,16 @@ class Request:
         if self.block_hasher is not None and (
                 self._hash_block_size is None
                 or (len(self.block_hashes) + 1) * self._hash_block_size <= len(self.all_token_ids)):
+            self.block_hashes.extend(self.block_hasher(self))
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """append_output_token_ids for one token (every decode step of every request)."""
+        self.output_token_ids.append(token_id)
+        all_ids = self.all_token_ids
+        all_ids.append(token_id)
+        if self.block_hasher is not None and (
+                self._hash_block_size is None
+                or (len(self.block_hashes) + 1) * self._hash_block_size <= len(all_ids)):
             self.block_hashes.extend(self.block_hasher(self))
 
     def is_finished(self) -> bool:

@@ -346,22 +346,23 @@ class Scheduler:
             idx = index_of.get(rid)
             if idx is None or request.num_computed_tokens < len(request.all_token_ids):
                 continue  # a partial prefill chunk samples nothing (any token given is discarded)
-            new_token_ids = list(sampled[idx])
-            if not new_token_ids:
-                continue
-            is_stopped = append_and_check_stop(request, new_token_ids, max_model_len)
+            new_token_ids = sampled[idx]
+            if len(new_token_ids) != 1:
+                if not new_token_ids:
+                    continue
+                new_token_ids = list(new_token_ids)  # trimmed in place at a stop
+            # (one token: nothing trims it, so the runner's list is handed on as it is)
             finish_reason = None
-            if is_stopped:
+            if append_and_check_stop(request, new_token_ids, max_model_len):
                 finish_reason = request.get_finished_reason()
                 self._free_request(request)
                 stopped.add(id(request))
             logprobs = all_logprobs[idx] if all_logprobs else None
-            if isinstance(logprobs, list):
+            if logprobs is not None and isinstance(logprobs, list):
                 logprobs = logprobs[:len(new_token_ids)]
-            outputs[rid] = EngineCoreOutput(
-                request_id=rid, new_token_ids=new_token_ids, finish_reason=finish_reason,
-                new_logprobs=logprobs, stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0))
+            num_cached = request.num_cached_tokens
+            outputs[rid] = EngineCoreOutput(rid, new_token_ids, finish_reason, logprobs, None,
+                                            request.stop_reason, num_cached if num_cached > 0 else 0)
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
         return outputs

@@ -44,8 +44,15 @@ def append_and_check_stop(request: Request, new_token_ids: list[int], max_model_
     the tokens after it from new_token_ids (in place). -> whether it stopped.
     (vLLM: `Scheduler._update_request_with_output`.)"""
     if len(new_token_ids) == 1:  # the usual step: nothing to drop after a stop
-        request.append_output_token_ids(new_token_ids[0])
-        return check_stop(request, max_model_len)
+        token_id = new_token_ids[0]
+        request.append_output_token_id(token_id)
+        num_output = len(request.output_token_ids)
+        # check_stop only where it can say yes (the usual token is no stop token, below every limit)
+        if (token_id in request.stop_check_ids or num_output < request.min_tokens
+                or num_output >= request.max_tokens
+                or request.num_prompt_tokens + num_output >= max_model_len):
+            return check_stop(request, max_model_len)
+        return False
     for n, token_id in enumerate(new_token_ids, 1):
         request.append_output_token_ids(token_id)
         if check_stop(request, max_model_len):
