@@ -66,6 +66,12 @@ class KVCacheManager:
         # no block has nothing to do in allocate_slots (most decode steps), checked inline.
         managers = self.coordinator.single_type_managers
         self._one_full = managers[0] if len(managers) == 1 and type(managers[0]) is FullAttentionManager else None
+        # One full-attention group only (else None): request id -> how many tokens its blocks take
+        # with nothing to do, i.e. allocate_slots(request, n) of a running request with
+        # num_computed_tokens + n <= room allocates no block, publishes no block and changes
+        # nothing. Set where a request's blocks change (allocate_slots' full path), dropped by
+        # free, so a scheduler can skip the call for most decode steps (read it with .get).
+        self.slot_room: dict[str, int] | None = {} if self._one_full is not None else None
 
     @property
     def usage(self) -> float:
@@ -119,18 +125,11 @@ class KVCacheManager:
         free pool cannot cover them."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        m = self._one_full
-        if (m is not None and new_computed_blocks is None and not num_new_computed_tokens
-                and not num_lookahead_tokens):
-            held = m.req_to_blocks.get(request.request_id)
-            if held is not None:
-                end = request.num_computed_tokens + num_new_tokens
-                slots = end if end < self.max_model_len else self.max_model_len
-                final = end if end < len(request.all_token_ids) else len(request.all_token_ids)
-                if (-(-slots // m.block_size) <= len(held)
-                        and (not self.enable_caching
-                             or final // m.block_size <= m.num_cached_block.get(request.request_id, 0))):
-                    return self.empty_kv_cache_blocks  # the full path below would return no blocks too
+        room = self.slot_room
+        if (room is not None and new_computed_blocks is None and not num_new_computed_tokens
+                and not num_lookahead_tokens
+                and request.num_computed_tokens + num_new_tokens <= room.get(request.request_id, -1)):
+            return self.empty_kv_cache_blocks  # the full path below would return no blocks too
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
         rid = request.request_id
         # Free blocks attention will not read again first (no-op for full
@@ -150,7 +149,20 @@ class KVCacheManager:
         if self.enable_caching:
             # Speculative/lookahead tokens are not final: never publish them.
             self.coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        if room is not None:
+            self._set_room(rid)
         return KVCacheBlocks(new_blocks)
+
+    def _set_room(self, rid: str) -> None:
+        """slot_room[rid]: up to that many tokens, the full path of allocate_slots needs no new
+        block (slots <= end <= held blocks' tokens) and publishes none (final <= end < the end
+        of the first block not cached yet)."""
+        m = self._one_full
+        bs = m.block_size
+        room = len(m.req_to_blocks.get(rid, ())) * bs
+        if self.enable_caching:
+            room = min(room, (m.num_cached_block.get(rid, 0) + 1) * bs - 1)
+        self.slot_room[rid] = room
 
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks (tail first, so the tail is evicted first).
@@ -161,6 +173,8 @@ class KVCacheManager:
         if num_valid_tokens is not None and self.enable_caching:
             self.coordinator.uncache_blocks_after(request.request_id, num_valid_tokens)
         self.coordinator.free(request.request_id)
+        if self.slot_room is not None:
+            self.slot_room.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; fails (False) while any request holds blocks."""

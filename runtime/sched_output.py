@@ -76,24 +76,26 @@ class CachedRequestData:
     def from_requests(cls, running_reqs: Sequence[Request], resumed_reqs: Sequence[Request],
                       num_scheduled_tokens: Mapping[str, int], new_blocks: Mapping[str, KVCacheBlocks],
                       prev_step_scheduled_req_ids: set[str]) -> CachedRequestData:
-        """Built before the requests' computed counts advance for this step.
+        """Built before the requests' computed counts advance for this step. new_blocks holds
+        the requests given blocks this step (an absent one got none).
         (vLLM: `Scheduler._make_cached_request_data`.)"""
-        data = cls()
-        req_ids, new_token_ids, new_block_ids = data.req_ids, data.new_token_ids, data.new_block_ids
-        computed, num_output = data.num_computed_tokens, data.num_output_tokens
-        for req in itertools.chain(running_reqs, resumed_reqs):
-            rid = req.request_id
-            start = req.num_computed_tokens
-            tokens = req.all_token_ids
-            req_ids.append(rid)
-            new_token_ids.append(tokens[start:start + num_scheduled_tokens[rid]])
-            if rid not in prev_step_scheduled_req_ids:
-                data.all_token_ids[rid] = list(tokens)
-            new_block_ids.append(new_blocks[rid].get_block_ids(allow_none=True))
-            computed.append(start)
-            num_output.append(req.num_output_tokens)
-        data.resumed_req_ids.update(r.request_id for r in resumed_reqs)
-        return data
+        reqs = list(itertools.chain(running_reqs, resumed_reqs)) if resumed_reqs else running_reqs
+        req_ids = [r.request_id for r in reqs]
+        computed = [r.num_computed_tokens for r in reqs]
+        new_token_ids = [r.all_token_ids[start:start + num_scheduled_tokens[rid]]
+                         for r, rid, start in zip(reqs, req_ids, computed)]
+        new_block_ids: list = [None] * len(reqs)
+        if new_blocks:
+            for i, rid in enumerate(req_ids):
+                b = new_blocks.get(rid)
+                if b is not None:
+                    new_block_ids[i] = b.get_block_ids(allow_none=True)
+        all_token_ids = {}
+        if not prev_step_scheduled_req_ids.issuperset(req_ids):
+            all_token_ids = {r.request_id: list(r.all_token_ids) for r in reqs
+                             if r.request_id not in prev_step_scheduled_req_ids}
+        return cls(req_ids, {r.request_id for r in resumed_reqs}, new_token_ids, all_token_ids, new_block_ids,
+                   computed, [len(r.output_token_ids) for r in reqs])
 
     def is_resumed(self, req_id: str) -> bool:
         return req_id in self.resumed_req_ids

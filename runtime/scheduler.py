@@ -44,23 +44,31 @@ class _Step:
     resumed_reqs: list[Request] = field(default_factory=list)
     running_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
+    # Blocks given this step, for the requests that got some (a decode step mostly gets none).
     new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    logits_rows: dict[str, int] = field(default_factory=dict)  # rows of logits each request will want
+    # Rows of logits the step will want: one per scheduled request, plus these extra rows
+    # of requests whose chunk scores prompt positions (a row per chunk token).
+    prompt_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_logits_rows(self) -> int:
+        return len(self.num_scheduled_tokens) + sum(self.prompt_rows.values())
 
     def schedule(self, request: Request, num_tokens: int, blocks: KVCacheBlocks) -> None:
         rid = request.request_id
-        self.new_blocks[rid] = blocks
+        if any(blocks.blocks):
+            self.new_blocks[rid] = blocks
         self.num_scheduled_tokens[rid] = num_tokens
-        self.logits_rows[rid] = num_tokens if (request.prompt_logprobs is not None
-                                               and _wants_prompt_rows(request)) else 1
+        if request.prompt_logprobs is not None and _wants_prompt_rows(request):
+            self.prompt_rows[rid] = num_tokens - 1
         self.token_budget -= num_tokens
 
     def unschedule_running(self, request: Request) -> None:
         self.running_reqs.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
-        self.logits_rows.pop(request.request_id)
-        self.new_blocks.pop(request.request_id)
+        self.prompt_rows.pop(request.request_id, None)
+        self.new_blocks.pop(request.request_id, None)
 
 
 _PREEMPTED = int(RequestStatus.PREEMPTED)  # every status above it is a finished one
@@ -186,17 +194,23 @@ class Scheduler:
             return num_new
         others = min(self.max_num_running_reqs, len(self.running) + len(self.waiting)) \
             - len(step.num_scheduled_tokens) - 1
-        room = self.max_num_logits_rows - sum(step.logits_rows.values()) - max(others, 0)
+        room = self.max_num_logits_rows - step.num_logits_rows - max(others, 0)
         return max(1, min(num_new, room))
 
     def _schedule_running(self, step: _Step) -> None:
         threshold = self.scheduler_config.long_prefill_token_threshold
         max_model_len = self.max_model_len
         allocate_slots = self.kv_cache_manager.allocate_slots
+        # Tokens each running request can take with nothing for allocate_slots to do (most decode
+        # steps): those skip the call and are scheduled inline.
+        room = self.kv_cache_manager.slot_room
+        room_of = room.get if room is not None else None
         cap_rows = self.max_num_logits_rows is not None
+        running, scheduled = self.running, step.running_reqs
+        num_scheduled = step.num_scheduled_tokens
         req_index = 0
-        while req_index < len(self.running) and step.token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and step.token_budget > 0:
+            request = running[req_index]
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             if 0 < threshold < num_new:
@@ -210,6 +224,14 @@ class Scheduler:
             if num_new > 0 and cap_rows:
                 num_new = self._cap_logits_rows(request, num_new, step)
             if num_new <= 0:
+                req_index += 1
+                continue
+            if (room_of is not None and computed + num_new <= room_of(request.request_id, -1)
+                    and request.prompt_logprobs is None):
+                # step.schedule of a request given no blocks, inline
+                scheduled.append(request)
+                num_scheduled[request.request_id] = num_new
+                step.token_budget -= num_new
                 req_index += 1
                 continue
             while True:
@@ -226,7 +248,7 @@ class Scheduler:
                 # thing under FCFS, where it was the last), so a step with
                 # running requests always schedules some tokens.
                 continue
-            step.running_reqs.append(request)
+            scheduled.append(request)
             step.schedule(request, num_new, new_blocks)
             req_index += 1
 
@@ -321,9 +343,10 @@ class Scheduler:
         self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
         # Advance after building the output (it carries the pre-step counts),
         # so a prefill can be scheduled again in the very next step.
-        requests = self.requests
-        for rid, n in step.num_scheduled_tokens.items():
-            requests[rid].num_computed_tokens += n
+        nst = step.num_scheduled_tokens
+        for reqs in (step.running_reqs, step.new_reqs, step.resumed_reqs):
+            for r in reqs:
+                r.num_computed_tokens += nst[r.request_id]
         self.finished_req_ids = set()  # a new set: the output keeps the old one
         return out
 

@@ -191,3 +191,48 @@ def test_random_workloads(workload):
         else:
             assert got == want, f"{sp.rid}: got {got}, want {want}"
             assert reasons[sp.rid] == why
+
+
+def _step_record(out, res) -> tuple:
+    """What a step told the runner and the caller, in comparable form."""
+    c = out.scheduled_cached_reqs
+    return (out.num_scheduled_tokens, [(n.req_id, n.block_ids, n.num_computed_tokens) for n in out.scheduled_new_reqs],
+            c.req_ids, c.resumed_req_ids, c.new_token_ids, c.all_token_ids, c.new_block_ids, c.num_computed_tokens,
+            c.num_output_tokens, out.finished_req_ids, out.preempted_req_ids, out.num_common_prefix_blocks,
+            {rid: (o.new_token_ids, o.finish_reason, o.stop_reason) for rid, o in res.items()})
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_slot_room_shortcut_equals_allocate_slots(workload):
+    """KVCacheManager.slot_room lets the scheduler skip allocate_slots for a running request
+    that needs no block and publishes none; with the shortcut off (slot_room None: every call
+    takes allocate_slots' full path) every step must be the same."""
+    cfg, specs = workload
+    fast, slow = create_scheduler(**cfg), create_scheduler(**cfg)
+    slow.kv_cache_manager.slot_room = None
+    token_fn = lambda rid, pos: fake_token(rid, pos, eos_every=EOS_EVERY)  # noqa: E731
+    runners = {id(fast): FakeRunner(cfg["block_size"], token_fn), id(slow): FakeRunner(cfg["block_size"], token_fn)}
+    last_arrival = max(sp.arrive for sp in specs)
+    step = 0
+    while step <= last_arrival or fast.has_unfinished_requests() or slow.has_unfinished_requests():
+        assert step < 3000, "the engine did not finish"
+        records = []
+        for s in (fast, slow):
+            for sp in specs:
+                if sp.arrive == step and len(sp.prompt) <= s.max_model_len:
+                    s.add_request(make_request(sp.rid, sp.prompt, max_tokens=sp.max_tokens, min_tokens=sp.min_tokens,
+                                               ignore_eos=sp.ignore_eos, stop_token_ids=sp.stop_token_ids,
+                                               priority=sp.priority, arrival_time=float(sp.arrive)))
+                if sp.abort == step:
+                    s.finish_requests(sp.rid, RequestStatus.FINISHED_ABORTED)
+            out = s.schedule()
+            res = s.update_from_output(out, runners[id(s)].execute(out))
+            records.append(_step_record(out, res))
+        assert records[0] == records[1], f"step {step}"
+        room = fast.kv_cache_manager.slot_room
+        manager = fast.kv_cache_manager.coordinator.single_type_managers[0]
+        assert set(room) == set(manager.req_to_blocks)
+        for rid, n in room.items():
+            assert n <= len(manager.req_to_blocks[rid]) * fast.block_size
+        step += 1
