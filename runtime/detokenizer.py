@@ -166,7 +166,12 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = params.output_text_buffer_length
         self.token_ids: list[int] = []  # output tokens, stop token included
         self._text = ""
-        self._pieces: list[str] = []  # text decoded since _text was last joined
+        # Without stop strings nothing needs the text before a caller reads it (a FINAL_ONLY
+        # request reads it once, when it finishes), so update() only records the tokens and
+        # output_text decodes token_ids[_decoded:_text_end] first (_lazy): the same decoder
+        # calls in the same order, so the same text, without a pass per request per step.
+        self._decoded = 0
+        self._text_end: int | None = None  # the stop token that ended the request, kept out of the text
         self._last_output_text_offset = 0
         self._decoder = None
         if tokenizer is not None and params.detokenize:
@@ -176,19 +181,24 @@ class IncrementalDetokenizer:
                                                params.spaces_between_special_tokens)
             else:
                 self._decoder = _OffsetDecoder(backend, prompt_token_ids, params.skip_special_tokens)
+        self._lazy = self._decoder is not None and not self.stop  # text decoded when read
 
     @property
     def output_text(self) -> str:
-        """The text so far. Without stop strings nothing reads it per step, so new text is
-        kept in pieces and joined here (appending to one growing string copied it per token)."""
-        if self._pieces:
-            self._text += "".join(self._pieces)
-            self._pieces.clear()
+        """The text so far (the tokens update() only recorded are decoded now)."""
+        if self._lazy:
+            self._decode_pending()
         return self._text
+
+    def _decode_pending(self) -> None:
+        end = len(self.token_ids) if self._text_end is None else self._text_end
+        if self._decoded < end:
+            decode_next = self._decoder.decode_next
+            self._text += "".join([decode_next(t) for t in self.token_ids[self._decoded:end]])
+            self._decoded = end
 
     @output_text.setter
     def output_text(self, text: str) -> None:
-        self._pieces.clear()
         self._text = text
 
     @property
@@ -211,20 +221,16 @@ class IncrementalDetokenizer:
         if self._decoder is None:
             self.token_ids.extend(new_token_ids)
             return None
+        if not self.stop:  # no stop strings: the text only grows, decoded when read (output_text)
+            self.token_ids.extend(new_token_ids)
+            if stop_terminated and not self.include_stop_str_in_output:
+                self._text_end = len(self.token_ids) - 1
+            return None
         skipped = None
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = list(new_token_ids)
             skipped = new_token_ids.pop()
         decode_next = self._decoder.decode_next
-        if not self.stop:  # no stop strings: the text only grows (min_tokens only delays a search)
-            self.token_ids.extend(new_token_ids)
-            for token_id in new_token_ids:
-                text = decode_next(token_id)
-                if text:
-                    self._pieces.append(text)
-            if skipped is not None:
-                self.token_ids.append(skipped)
-            return None
         check_from = len(self.output_text)
         if self.min_tokens:
             for token_id in new_token_ids:

@@ -225,3 +225,39 @@ def test_check_stop_strings():
     assert check_stop_strings("xxabcd", 4, ["cd", "bcd"], False) == ("cd", 4)
     assert check_stop_strings("abc", 0, ["abc"], False) is None
     assert check_stop_strings("abc", 3, [], False) is None
+
+
+@BOTH_DECODERS
+@pytest.mark.parametrize("seed", range(4))
+def test_text_decoded_when_read_equals_decoding_every_step(tok, stream, seed):
+    """Without stop strings, update() only records tokens and output_text decodes them when
+    read; whenever it is read (every step, now and then, only at the end), the text is the one
+    decoding each token as it arrives gives (the stop-string path, with a stop string that
+    never matches, decodes every step)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    specials = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+    pool = encode(tok, MULTIBYTE) + encode(tok, " The quick brown fox") + specials[:3]
+    ids = [int(pool[int(rng.integers(0, len(pool)))]) for _ in range(200)]
+    prompt = encode(tok, PROMPT)
+    stop_terminated = bool(seed % 2)
+    for read_every in (1, 7, None):
+        lazy = IncrementalDetokenizer(tok, prompt, SamplingParams(), use_decode_stream=stream)
+        eager = IncrementalDetokenizer(tok, prompt, SamplingParams(stop=["\x00never"]), use_decode_stream=stream)
+        assert lazy._lazy and not eager._lazy
+        deltas, pos, n = [], 0, 0
+        while pos < len(ids):
+            chunk = ids[pos:pos + int(rng.integers(1, 4))]
+            pos += len(chunk)
+            last = pos >= len(ids)
+            for d in (lazy, eager):
+                assert d.update(chunk, stop_terminated=last and stop_terminated) is None
+            n += 1
+            if read_every and (n % read_every == 0 or last):
+                assert lazy.output_text == eager.output_text
+                deltas.append(lazy.get_next_output_text(finished=last, delta=True))
+        assert lazy.output_text == eager.output_text
+        assert lazy.output_token_ids == eager.output_token_ids == ids
+        if read_every:
+            assert "".join(deltas) == lazy.output_text
