@@ -101,30 +101,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
-        now = time.monotonic()
         # Timing of every request that sampled this step, FINAL_ONLY ones included (they return no output yet).
-        get = self.output_processor.states.get
-        sampled = [st for o in core_outputs if o.new_token_ids and (st := get(o.request_id)) is not None]
-        outputs, to_abort = self.output_processor.process_outputs(core_outputs, now)
+        it = IterationStats(num_scheduled_tokens=self.core.last_step_tokens)
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs, time.monotonic(), it)
         if to_abort:  # stop strings finished these: free their blocks now
             self.core.abort_requests(to_abort)
-        self._log_stats(core_outputs, outputs, sampled)
+        self._log_stats(outputs, it)
         for ro in outputs:
             if ro.finished:
                 self._max_tokens.pop(ro.request_id, None)
         return outputs
 
-    def _log_stats(self, core_outputs: list, outputs: list[RequestOutput], sampled: list) -> None:
-        it = IterationStats(num_scheduled_tokens=self.core.last_step_tokens)
-        it.num_generation_tokens = sum(len(o.new_token_ids) for o in core_outputs)
-        itls = it.inter_token_latencies
-        for st in sampled:  # RequestStates (dropped from the processor if they finished)
-            times = st.metrics.token_times
-            if len(times) >= 2:
-                itls.append(times[-1] - times[-2])
-            elif len(times) == 1:  # its first token: its prompt is done (cached tokens count too, as vLLM)
-                it.time_to_first_tokens.append(st.metrics.ttft)
-                it.num_prompt_tokens += len(st.prompt_token_ids)
+    def _log_stats(self, outputs: list[RequestOutput], it: IterationStats) -> None:
         for ro in outputs:
             if ro.metrics is not None and ro.finished:
                 it.finished_requests.extend(finished_stats(ro, self._max_tokens.get(ro.request_id)))

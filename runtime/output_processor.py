@@ -16,6 +16,7 @@ from kiln.runtime.outputs import CompletionOutput, OutputKind, RequestMetrics, R
 from kiln.runtime.request import FinishReason
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sched_output import EngineCoreOutput
+from kiln.runtime.stats import IterationStats
 
 
 @dataclass
@@ -84,24 +85,38 @@ class OutputProcessor:
                     dropped.append(cid)
         return dropped
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput], now: Optional[float] = None
-                        ) -> tuple[list[RequestOutput], list[str]]:
-        """-> (outputs for callers, engine ids to abort because a stop string ended them)."""
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput], now: Optional[float] = None,
+                        iteration_stats: Optional[IterationStats] = None) -> tuple[list[RequestOutput], list[str]]:
+        """-> (outputs for callers, engine ids to abort because a stop string ended them).
+
+        iteration_stats, if given, gets this step's generation tokens, time to first token (and
+        prompt tokens) of requests sampling their first token, and inter-token latencies of the
+        others, FINAL_ONLY requests included (vLLM: _update_stats_from_output)."""
         now = time.monotonic() if now is None else now
         results, to_abort = [], []
         states, final_only, stop = self.states, OutputKind.FINAL_ONLY, FinishReason.STOP
+        it = iteration_stats
+        num_generation_tokens = 0
+        if it is not None:
+            itls, ttfts = it.inter_token_latencies, it.time_to_first_tokens
         for out in outputs:
+            new_token_ids = out.new_token_ids
+            num_generation_tokens += len(new_token_ids)
             st = states.get(out.request_id)
             if st is None:
                 continue  # aborted while the step ran
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if out.new_prompt_logprobs is not None:
                 st.logprobs.update_from_output(prompt=out.new_prompt_logprobs)
-            new_token_ids = out.new_token_ids
             if new_token_ids:
                 m = st.metrics  # inline: this runs per request per step
                 if m.first_token_time is None:
                     m.first_token_time = now
+                    if it is not None:
+                        ttfts.append(now - m.arrival_time)
+                        it.num_prompt_tokens += len(st.prompt_token_ids)
+                elif it is not None:
+                    itls.append(now - m.last_token_time)
                 m.last_token_time = now
                 m.num_generation_tokens += len(new_token_ids)
                 m.token_times.append(now)
@@ -120,6 +135,8 @@ class OutputProcessor:
             ro = self._make_output(st, finish_reason is not None, finish_reason, stop_reason)
             if ro is not None:
                 results.append(ro)
+        if it is not None:
+            it.num_generation_tokens += num_generation_tokens
         return results, to_abort
 
     def _completion(self, st: RequestState, finished: bool, finish_reason, stop_reason) -> CompletionOutput:

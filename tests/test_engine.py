@@ -134,3 +134,35 @@ def test_bad_requests_name_the_problem(tiny_dir):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     assert llm.stats()["num_running_reqs"] == 0 and llm.stats()["num_waiting_reqs"] == 0
+
+
+def test_iteration_stats_match_the_requests_token_times(tiny_dir, prompts):
+    """The output processor fills each step's IterationStats as it goes; what a stat logger
+    gets must be what the requests' own token times say (TTFT from arrival to the first
+    token, one inter-token latency per later token, prompt and generation token counts)."""
+    from kiln.runtime.outputs import OutputKind
+
+    class Recorder:
+        def __init__(self):
+            self.its = []
+
+        def record(self, sched, it):
+            self.its.append(it)
+
+    llm = engine(tiny_dir, max_num_batched_tokens=64)
+    rec = Recorder()
+    llm.engine.stat_loggers.append(rec)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    kinds = [OutputKind.FINAL_ONLY, OutputKind.DELTA, OutputKind.CUMULATIVE]
+    for i, p in enumerate(prompts[:12]):
+        llm.engine.add_request(f"r{i}", p, params, output_kind=kinds[i % 3])
+    metrics = {f"r{i}": llm.engine.output_processor.states[f"r{i}"].metrics for i in range(12)}
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    ttft = sorted(x for it in rec.its for x in it.time_to_first_tokens)
+    itl = sorted(x for it in rec.its for x in it.inter_token_latencies)
+    assert ttft == sorted(m.token_times[0] - m.arrival_time for m in metrics.values())
+    assert itl == sorted(b - a for m in metrics.values() for a, b in zip(m.token_times, m.token_times[1:]))
+    assert sum(it.num_prompt_tokens for it in rec.its) == sum(len(p) for p in prompts[:12])
+    assert sum(it.num_generation_tokens for it in rec.its) == 12 * 9
+    assert sum(len(it.finished_requests) for it in rec.its) == 12
