@@ -49,16 +49,18 @@ class AttentionConfig:
     into programs (paged_attention.py: rows never mix), so decode and prefill buckets each
     take their own."""
     # decode buckets: query positions per program (rows = block_q * next_pow2(H // Hkv), >= 16)
+    # (H200, Llama-8B heads, bench/attn_sweep.py: 256 sequences at 1,500 keys read K/V at
+    # 4.26 TB/s with 2 warps, 3.84 with 4, 2.18 with 8)
     block_q: int = 4
     tile: int = 64        # keys per online-softmax step; tiles start at multiples of `tile`
     seg: int = 512        # keys per split-KV segment (a multiple of tile); segments fold in order
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 2
-    # prefill and mixed buckets: 64-row programs (H200, Llama-8B heads, 2,048-token prefill:
-    # 16-row programs spent 2.7 ms a layer, mostly waiting on memory)
+    # prefill and mixed buckets: 64-row programs (2,048-token prefill: 16-row programs spent
+    # 2.7 ms a layer, mostly waiting on memory; 64-row ones 183 us with 2 stages, 219 with 3)
     prefill_block_q: int = 16
     prefill_num_warps: int = 4
-    prefill_num_stages: int = 3
+    prefill_num_stages: int = 2
 
 
 @dataclass(frozen=True)

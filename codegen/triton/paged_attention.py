@@ -77,10 +77,10 @@ def _interp_dot(a, b, acc):
 
 
 @triton.jit
-def _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
+def _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
             D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
             INTERPRET: tl.constexpr):
-    """One key tile: -> (s [BLOCK_M, TILE] in the log2 domain, -inf where not visible; v [TILE, BLOCK_D])."""
+    """One key tile: -> (s = q k^T [BLOCK_M, TILE], unscaled, -inf where not visible; v [TILE, BLOCK_D])."""
     kpos = k0 + tl.arange(0, TILE)  # [TILE] absolute key positions
     d = tl.arange(0, BLOCK_D)
     if MASKED:
@@ -98,7 +98,6 @@ def _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp
         s = _interp_dot(q, k, tl.zeros((q.shape[0], TILE), tl.float32))
     else:
         s = tl.dot(q, k)
-    s = s * qk_scale
     if MASKED:
         vis = valid[:, None] & in_seq[None, :] & (kpos[None, :] <= pos[:, None])
         vis = vis & ((window == 0) | (kpos[None, :] > pos[:, None] - window))
@@ -117,31 +116,52 @@ def _pv(p, v, ones, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _step(s, v, ones, first, last, M, Ls, ACC, m_i, l_i, acc, ONE: tl.constexpr, INTERPRET: tl.constexpr):
+def _step(s, v, ones, first, last, M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE: tl.constexpr, INTERPRET: tl.constexpr):
     """One tile's online-softmax step on the segment state (m_i, l_i, acc), reset first when
-    the tile opens a segment (`first`) and folded into (M, Ls, ACC) when it closes one."""
+    the tile opens a segment (`first`) and folded into (M, Ls, ACC) when it closes one
+    (`last`). s is unscaled (see below for where the scale goes)."""
     if ONE:  # SEG == TILE: every tile is a whole segment, always opened and closed
+        # Scaled first: m_t goes straight into _fold's exp2(m_t - base), and a product
+        # feeding a subtraction is one the compiler may or may not contract into an fma,
+        # per program shape (with m_t = max(s) * scale here, the seg == tile case of
+        # test_triton_gpu.py's invariance test failed on the H200).
+        s = s * qk_scale
         m_t = tl.max(s, axis=1)
         base = tl.where(m_t == -float("inf"), 0.0, m_t)
         p = tl.exp2(s - base[:, None])  # masked -> exactly 0
         l_t, acc_t = _pv(p, v, ones, tl.zeros_like(ACC), INTERPRET)
         M, Ls, ACC = _fold(M, Ls, ACC, m_t, l_t, acc_t)
     else:
+        # The row max scales exactly (rounding is monotone, the scale positive), and m_t
+        # reaches the arithmetic only through max/compare, so it is never contracted;
+        # exp2 takes an explicit fma(s, scale, -max): one op per score, not two.
+        m_t = tl.max(s, axis=1) * qk_scale
         m_i = tl.where(first, -float("inf"), m_i)
-        l_i = tl.where(first, 0.0, l_i)
-        acc = tl.where(first, 0.0, acc)
-        m_t = tl.max(s, axis=1)
         m_new = tl.maximum(m_i, m_t)
         base = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.where(m_t > m_i, tl.exp2(m_i - base), 1.0)  # exactly 1 when nothing new
-        p = tl.exp2(s - base[:, None])
+        alpha = tl.where(first, 0.0, alpha)  # a new segment: acc * 0 = 0 (acc is finite), l too
+        p = tl.exp2(tl.fma(s, qk_scale, -base[:, None]))
         l_t, acc = _pv(p, v, ones, acc * alpha[:, None], INTERPRET)
         l_i = l_i * alpha + l_t
         m_i = m_new
-        M2, Ls2, ACC2 = _fold(M, Ls, ACC, m_i, l_i, acc)
-        M = tl.where(last, M2, M)
-        Ls = tl.where(last, Ls2, Ls)
-        ACC = tl.where(last, ACC2, ACC)
+        if last:  # folds once per segment, not once per tile
+            M, Ls, ACC = _fold(M, Ls, ACC, m_i, l_i, acc)
+    return M, Ls, ACC, m_i, l_i, acc
+
+
+@triton.jit
+def _tiles(k_from, k_to, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
+           qk_scale, ones, M, Ls, ACC, m_i, l_i, acc, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+           TILE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
+    """The tiles k0 = k_from, k_from + TILE, ... < k_to of the range [lo, hi), one software-pipelined loop."""
+    ONE: tl.constexpr = SEG == TILE
+    for k0 in range(k_from, k_to, TILE):
+        s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
+                       D, BLOCK_D, BS, TILE, MASKED, INTERPRET)
+        M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, (k0 == lo) | (k0 % SEG == 0),
+                                          (k0 + TILE >= hi) | ((k0 + TILE) % SEG == 0),
+                                          M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE, INTERPRET)
     return M, Ls, ACC, m_i, l_i, acc
 
 
@@ -151,7 +171,6 @@ def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_c
             SEG: tl.constexpr, INTERPRET: tl.constexpr):
     """Tiles k0 = lo, lo + TILE, ... < hi (lo a multiple of TILE), segment by segment, from the
     empty state -> (M, Ls, ACC). Tiles below full_hi need no mask."""
-    ONE: tl.constexpr = SEG == TILE
     M = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     Ls = tl.zeros((BLOCK_M,), tl.float32)
     ACC = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -163,28 +182,12 @@ def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_c
     else:
         ones = tl.full((TILE, 16), 1.0, tl.bfloat16)
     mid = tl.maximum(tl.minimum(full_hi, hi), lo)
-    if ONE:  # nothing carried but the running state
-        for k0 in range(lo, mid, TILE):
-            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-                           qk_scale, D, BLOCK_D, BS, TILE, False, INTERPRET)
-            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, True, True, M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
-        for k0 in range(mid, hi, TILE):
-            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-                           qk_scale, D, BLOCK_D, BS, TILE, True, INTERPRET)
-            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, True, True, M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
-    else:
-        for k0 in range(lo, mid, TILE):
-            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-                           qk_scale, D, BLOCK_D, BS, TILE, False, INTERPRET)
-            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, (k0 == lo) | (k0 % SEG == 0),
-                                              (k0 + TILE >= hi) | ((k0 + TILE) % SEG == 0),
-                                              M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
-        for k0 in range(mid, hi, TILE):
-            s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-                           qk_scale, D, BLOCK_D, BS, TILE, True, INTERPRET)
-            M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, (k0 == lo) | (k0 % SEG == 0),
-                                              (k0 + TILE >= hi) | ((k0 + TILE) % SEG == 0),
-                                              M, Ls, ACC, m_i, l_i, acc, ONE, INTERPRET)
+    M, Ls, ACC, m_i, l_i, acc = _tiles(lo, mid, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv,
+                                       stride_cp, L, window, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
+                                       D, BLOCK_D, BS, TILE, SEG, False, INTERPRET)
+    M, Ls, ACC, m_i, l_i, acc = _tiles(mid, hi, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv,
+                                       stride_cp, L, window, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
+                                       D, BLOCK_D, BS, TILE, SEG, True, INTERPRET)
     return M, Ls, ACC
 
 
