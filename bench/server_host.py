@@ -10,8 +10,8 @@ AsyncLLM, the handlers, JSON/SSE and Tornado, and the client's own parsing.
 
 Clients (each in this process, one asyncio loop, C workers, keep-alive connections):
   openai  the official async `openai` client, as bench/server_workload.py runs it
-  lean    raw HTTP/1.1 over asyncio streams: chunked framing, SSE split, json.loads per event
-          (token counts from return_token_ids); what it costs is the least a client must pay
+  lean    bench/server_workload.py's SSEConnection: raw HTTP/1.1 over asyncio streams, chunked
+          framing, SSE split, json.loads per event; about the least a Python client can pay
 Per level: output tok/s, TTFT/TPOT medians, and CPU seconds per 1,000 output tokens of the
 client (this process), the API server process and the engine core process.
 
@@ -114,64 +114,11 @@ async def openai_request(client, prompt: list[int], max_tokens: int) -> tuple[fl
     return sent, first, last, tokens
 
 
-class LeanConnection:
-    """One keep-alive HTTP/1.1 connection: POST a streaming completion, read the chunked SSE."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader = self.writer = None
-
-    async def request(self, prompt: list[int], max_tokens: int) -> tuple[float, float, float, int]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                           "stream": True, "ignore_eos": True, "return_token_ids": True}).encode()
-        sent = time.perf_counter()
-        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body)
-        r = self.reader
-        status = await r.readline()
-        if b" 200 " not in status:
-            raise RuntimeError(f"HTTP status {status!r}")
-        chunked = False
-        while (line := await r.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
-                chunked = True
-        if not chunked:
-            raise RuntimeError("expected a chunked response")
-        first = last = None
-        tokens, buf, done = 0, b"", False
-        loads = json.loads
-        while True:
-            size = int(await r.readline(), 16)
-            data = await r.readexactly(size + 2)
-            if size == 0:
-                break
-            buf += data[:-2]
-            while (k := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:k], buf[k + 2:]
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:]
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                obj = loads(payload)
-                if "error" in obj:
-                    raise RuntimeError(f"error event: {obj}")
-                choices = obj["choices"]
-                n = len(choices[0].get("token_ids") or ()) if choices else 0
-                if n:
-                    last = time.perf_counter()
-                    first = first or last
-                    tokens += n
-        if not done:
-            raise RuntimeError("the stream ended without [DONE]")
-        return sent, first, last, tokens
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+async def lean_request(conn, prompt: list[int], max_tokens: int) -> tuple[float, float, float, int]:
+    sent, events = await conn.completion({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, "stream": True, "ignore_eos": True,
+                                          "return_token_ids": True})
+    return sent, events[0][0], events[-1][0], sum(len(ids) for _, ids in events)
 
 
 def proc_cpu(pid: int) -> float:
@@ -186,7 +133,8 @@ def proc_cpu(pid: int) -> float:
 
 async def run_level(kind: str, url: str, conc: int, prompts: list[list[int]], output_len: int,
                     pids: dict[str, int], on_start=None) -> dict:
-    host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()
+    from kiln.bench.server_workload import SSEConnection
+
     results: list = []
     todo = list(reversed(prompts))
     if kind == "openai":
@@ -199,12 +147,12 @@ async def run_level(kind: str, url: str, conc: int, prompts: list[list[int]], ou
             while todo:
                 results.append(await openai_request(client, todo.pop(), output_len))
     else:
-        conns = [LeanConnection(host, int(port)) for _ in range(conc)]
-        await conns[0].request(prompts[0][:16], 4)
+        conns = [SSEConnection(url) for _ in range(conc)]
+        await lean_request(conns[0], prompts[0][:16], 4)
 
-        async def worker_for(c: LeanConnection) -> None:
+        async def worker_for(c: SSEConnection) -> None:
             while todo:
-                results.append(await c.request(todo.pop(), output_len))
+                results.append(await lean_request(c, todo.pop(), output_len))
     cpu0 = {k: proc_cpu(p) for k, p in pids.items()}
     me0 = time.process_time()
     if on_start is not None:
