@@ -40,6 +40,9 @@ FLAGS: list[tuple[str, dict]] = [
                      help="run these peers (bench/peers/hf_gpu.py, a subprocess) first, in the same run")),
     ("--peer-json", dict(nargs="+", default=[], metavar="FILE",
                          help="peer results of this run to record next to kiln's (same workload only)")),
+    ("--client", dict(choices=("lean", "openai"), default="lean",
+                      help="server: the streaming client (lean: raw HTTP/SSE; openai: the official client, "
+                           "whose own parsing is the bottleneck at 128 streams)")),
     ("--no-offline", dict(action="store_true", help="server: skip the offline numbers at each concurrency")),
     ("--no-progress", dict(action="store_true", help="no progress bars")),
 ]

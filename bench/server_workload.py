@@ -1,12 +1,19 @@
 """The server workload: `build.py serve` in a subprocess (its own processes, as deployed) and
-closed-loop clients on the official async openai client, at each concurrency level, next to
-the offline engine on the same requests.
+closed-loop streaming clients at each concurrency level, next to the offline engine on the same
+requests.
 
 Per level C: --num-requests requests (default max(4, 2C)) of exactly --input-len random token
-ids, streaming /v1/completions with max_tokens --output-len, greedy, ignore_eos in extra_body;
+ids, streaming /v1/completions with max_tokens --output-len, greedy, ignore_eos;
 C workers each send their next request when the last one ends. TTFT = first chunk with a token
 - send time; TPOT = (last chunk - first chunk) / (tokens - 1), counting tokens from the
 return_token_ids of each chunk; output tok/s = the level's tokens / its wall time.
+
+--client lean (the default) reads the streams with SSEConnection below: raw HTTP/1.1 over
+asyncio streams, one keep-alive connection per worker, json.loads per event. --client openai
+runs the official async openai client, as this workload did first; in one Python process it
+costs ~280 us of CPU per streamed chunk (pydantic models, httpx, its SSE decoder), so at 128
+streams it saturates its core below the server's rate and the level measured the client
+(bench/server_host.py measures both clients against the same server).
 
 Offline (unless --no-offline): LLM.generate on the same requests in waves of C, which is what
 closed-loop clients with equal lengths amount to; TTFT and TPOT from the engine's request metrics.
@@ -15,6 +22,8 @@ It runs first and gives the GPU back before the server loads the model.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import queue
 import re
 import subprocess
@@ -90,8 +99,84 @@ def start_server(a) -> tuple[subprocess.Popen, str, list[str]]:
             return proc, m.group(1), log
 
 
-async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[float, float | None, int]:
+class SSEConnection:
+    """One keep-alive HTTP/1.1 connection to the server: POST a streaming completion, read its
+    chunked Server-Sent Events. Checks what a client must (status 200, no error event, [DONE]
+    at the end) and keeps the token ids of each chunk (return_token_ids)."""
+
+    def __init__(self, url: str) -> None:
+        m = re.match(r"http://([^:/]+):(\d+)", url)
+        if m is None:
+            raise KilnError(f"cannot parse the server address {url!r}")
+        self.host, self.port = m.group(1), int(m.group(2))
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def completion(self, body: dict) -> tuple[float, list[tuple[float, list[int]]]]:
+        """-> (send time, [(arrival time, token ids)] of each event that carries tokens)."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        sent = time.perf_counter()
+        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(data), data))
+        r = self.reader
+        status = await r.readline()
+        headers = {}
+        while (line := await r.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if status.split(b" ")[1:2] != [b"200"]:
+            text = await r.read(int(headers.get("content-length", 0) or 0))
+            raise KilnError(f"the server answered {status.decode().strip()}: {text[:500]!r}")
+        if headers.get("transfer-encoding", "").lower() != "chunked":
+            raise KilnError(f"expected a chunked event stream, got headers {headers}")
+        events: list[tuple[float, list[int]]] = []
+        buf, done, loads = b"", False, json.loads
+        while size := int(await r.readline(), 16):
+            buf += (await r.readexactly(size + 2))[:-2]
+            while (k := buf.find(b"\n\n")) >= 0:
+                event, buf = buf[:k], buf[k + 2:]
+                if not event.startswith(b"data: "):
+                    continue
+                if event == b"data: [DONE]":
+                    done = True
+                    continue
+                obj = loads(event[6:])
+                if "error" in obj:
+                    raise KilnError(f"the stream carried an error: {obj['error']}")
+                ids = obj["choices"][0].get("token_ids") if obj["choices"] else None
+                if ids:
+                    events.append((time.perf_counter(), ids))
+        await r.readexactly(2)  # the CRLF after the last (empty) chunk
+        if not done or buf:
+            raise KilnError("the event stream ended without [DONE]")
+        return sent, events
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def timings(sent: float, events: list[tuple[float, list[int]]]) -> tuple[float, float | None, int]:
+    """-> (TTFT, TPOT or None for one token, tokens) from a stream's token-carrying events."""
+    tokens = sum(len(ids) for _, ids in events)
+    if not events:
+        return float("nan"), None, 0
+    first, last = events[0][0], events[-1][0]
+    return first - sent, (last - first) / (tokens - 1) if tokens > 1 else None, tokens
+
+
+async def lean_request(conn: SSEConnection, prompt: list[int], max_tokens: int) -> tuple[float, float | None, int]:
     """-> (TTFT, TPOT or None for one token, tokens) of one streamed completion."""
+    return timings(*await conn.completion({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                           "temperature": 0, "stream": True, "ignore_eos": True,
+                                           "return_token_ids": True}))
+
+
+async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[float, float | None, int]:
+    """The same through the official openai client."""
     sent = time.perf_counter()
     stream = await client.completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
@@ -111,25 +196,42 @@ async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[float
 
 
 async def server_level(url: str, a, conc: int, prompts: list[list[int]]) -> dict:
-    import openai
     from tqdm import tqdm
 
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600) as client:
-        await one_request(client, prompts[0][:16], 4)  # warm-up: connection, first-use costs
-        todo = list(reversed(prompts))
-        results: list = []
-        bar = tqdm(total=len(prompts), desc=f"server c={conc}", unit="req", disable=a.no_progress, file=sys.stderr)
+    kind = getattr(a, "client", None) or "lean"
+    todo = list(reversed(prompts))
+    results: list = []
+    bar = tqdm(total=len(prompts), desc=f"server c={conc}", unit="req", disable=a.no_progress, file=sys.stderr)
+    if kind == "openai":
+        import openai
 
-        async def worker() -> None:
-            while todo:
-                results.append(await one_request(client, todo.pop(), a.output_len))
-                bar.update(1)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600)
+        await one_request(client, prompts[0][:16], 4)  # warm-up: connection, first-use costs
+        send = functools.partial(one_request, client)
+        workers = [send] * conc
+    else:
+        conns = [SSEConnection(url) for _ in range(conc)]
+        await lean_request(conns[0], prompts[0][:16], 4)
+        workers = [functools.partial(lean_request, c) for c in conns]
+
+    async def worker(send) -> None:
+        while todo:
+            results.append(await send(todo.pop(), a.output_len))
+            bar.update(1)
+    try:
         t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(conc)])
+        await asyncio.gather(*[worker(w) for w in workers])
         wall = time.perf_counter() - t0
+    finally:
         bar.close()
-    return level_stats(conc, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall,
-                       a.output_len * len(prompts))
+        if kind == "openai":
+            await client.close()
+        else:
+            for c in conns:
+                c.close()
+    stats = level_stats(conc, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall,
+                        a.output_len * len(prompts))
+    return {**stats, "client": kind}
 
 
 def run_server_workload(a) -> dict:
@@ -161,5 +263,5 @@ def run_server_workload(a) -> dict:
     top = max(levels, key=lambda lv: lv["concurrency"])
     return {"metric": "output_tok_s", "value": top["server"]["output_tok_s"], "roofline": None,
             "concurrency": list(a.concurrency), "input_len": a.input_len, "output_len": a.output_len,
-            "levels": levels, "output_tokens": sum(lv["server"]["output_tokens"] for lv in levels),
+            "client": getattr(a, "client", None) or "lean", "levels": levels, "output_tokens": sum(lv["server"]["output_tokens"] for lv in levels),
             "expected_output_tokens": sum(a.output_len * len(requests[c]) for c in a.concurrency)}

@@ -10,10 +10,9 @@ simply replace the older one. An exception put in is raised by get().
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Optional, Union
 
-from kiln.runtime.outputs import CompletionOutput, OutputKind, RequestOutput
+from kiln.runtime.outputs import OutputKind, RequestOutput
 
 
 class RequestOutputCollector:
@@ -62,19 +61,30 @@ class RequestOutputCollector:
 
 
 def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Two consecutive DELTA outputs of one request as one (per completion index)."""
+    """Two consecutive DELTA outputs of one request as one (per completion index).
+
+    `old` is the collector's own pending output, which no caller has seen, so it is extended in
+    place, as vLLM's RequestOutput.add does: text and token ids (and logprobs) appended, the
+    rest (finish and stop reasons, cumulative logprob, finished, metrics) taken from `new`."""
     comps = {c.index: c for c in old.outputs}
     for c in new.outputs:
         prev = comps.get(c.index)
-        comps[c.index] = c if prev is None else _merge_completion(prev, c)
-    prompt_logprobs = old.prompt_logprobs
+        if prev is None:
+            comps[c.index] = c
+            continue
+        prev.text += c.text
+        prev.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if prev.logprobs is None:
+                prev.logprobs = list(c.logprobs)
+            else:
+                prev.logprobs.extend(c.logprobs)
+        prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = \
+            c.cumulative_logprob, c.finish_reason, c.stop_reason
+    if len(comps) != len(old.outputs):
+        old.outputs = [comps[i] for i in sorted(comps)]
     if new.prompt_logprobs:
-        prompt_logprobs = (prompt_logprobs or []) + new.prompt_logprobs
-    return dataclasses.replace(new, outputs=[comps[i] for i in sorted(comps)], prompt_logprobs=prompt_logprobs)
-
-
-def _merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
-    logprobs = a.logprobs
-    if b.logprobs is not None:
-        logprobs = (logprobs or []) + b.logprobs
-    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=logprobs)
+        old.prompt_logprobs = (old.prompt_logprobs or []) + new.prompt_logprobs
+    old.finished, old.metrics, old.num_cached_tokens = new.finished, new.metrics, new.num_cached_tokens
+    old.prompt, old.prompt_token_ids = new.prompt, new.prompt_token_ids
+    return old

@@ -15,7 +15,7 @@ from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.server.errors import bad_request
 from kiln.server.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
 from kiln.server.protocol import ChatCompletionRequest, parse_chat_request
-from kiln.server.serving_engine import OpenAIServingHandler, usage
+from kiln.server.serving_engine import OpenAIServingHandler, StreamChunks, usage
 
 # Names render_chat binds itself; chat_template_kwargs may not rebind them.
 _RESERVED = {"template", "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
@@ -53,17 +53,15 @@ class ChatCompletionHandler(OpenAIServingHandler):
         self.write_json(body)
 
     async def _stream(self, head: dict, req: ChatCompletionRequest, fmt: "_Formatter", collectors: list,
-                      num_prompt: int) -> AsyncIterator[dict[str, Any]]:
+                      num_prompt: int) -> AsyncIterator[dict[str, Any] | str]:
         include_usage = req.stream_options.include_usage or self.state.config.enable_force_include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         head = {**head, "object": "chat.completion.chunk"}
         generated, cached = 0, 0
+        encode = StreamChunks(head)
 
-        def chunk(choices: list) -> dict[str, Any]:
-            out = {**head, "choices": choices}
-            if continuous:
-                out["usage"] = usage(num_prompt, generated, cached)
-            return out
+        def chunk(choices: list) -> str:
+            return encode(choices, usage(num_prompt, generated, cached) if continuous else None)
 
         for i in range(req.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Optional
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.server.logprobs_format import TokenText, completion_logprobs, prompt_logprobs_json
 from kiln.server.protocol import CompletionRequest, parse_completion_request
-from kiln.server.serving_engine import OpenAIServingHandler, usage
+from kiln.server.serving_engine import OpenAIServingHandler, StreamChunks, usage
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 
@@ -62,11 +62,12 @@ class CompletionHandler(OpenAIServingHandler):
                          "usage": usage(prompt_tokens, completion_tokens, cached)})
 
     async def _stream(self, base: str, req: CompletionRequest, fmt: "_Formatter",
-                      collectors: list) -> AsyncIterator[dict[str, Any]]:
+                      collectors: list) -> AsyncIterator[dict[str, Any] | str]:
         include_usage = req.stream_options.include_usage or self.state.config.enable_force_include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         head = {"id": base, "object": "text_completion", "created": self.created,
                 "model": req.model or self.state.model_name}
+        chunk = StreamChunks(head)
         started: set[int] = set()
         generated = [0] * len(collectors)
         prompt_lens = [len(p.ids) for p in fmt.prompts]
@@ -80,10 +81,8 @@ class CompletionHandler(OpenAIServingHandler):
                 if not (c.text or c.token_ids or c.finish_reason or (first and req.echo)):
                     continue
                 started.add(index)
-                chunk = {**head, "choices": [fmt.choice(i, ro, c, first=first)]}
-                if continuous:
-                    chunk["usage"] = usage(prompt_lens[i], generated[i], cached[i])
-                yield chunk
+                yield chunk([fmt.choice(i, ro, c, first=first)],
+                            usage(prompt_lens[i], generated[i], cached[i]) if continuous else None)
         if include_usage:
             yield {**head, "choices": [], "usage": usage(sum(prompt_lens), sum(generated), sum(cached))}
 

@@ -29,6 +29,27 @@ class ClientGone(Exception):
     """The client closed the connection; stop producing its response."""
 
 
+# json.dumps(obj, ensure_ascii=False) builds a JSONEncoder (and its C encoder) on every call;
+# one shared instance gives the same text (it keeps no state between calls).
+encode_json = json.JSONEncoder(ensure_ascii=False).encode
+
+
+class StreamChunks:
+    """The JSON text of a stream's chunks, {**head, "choices": choices[, "usage": usage]}, with
+    the head (id, object, created, model: the same in every chunk) encoded once per stream.
+    The text is what json.dumps(chunk, ensure_ascii=False) makes of the same dict."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        if not head:
+            raise ValueError("a stream chunk has a head")
+        self.prefix = encode_json(head)[:-1] + ', "choices": '
+
+    def __call__(self, choices: list, usage: Optional[dict[str, Any]] = None) -> str:
+        if usage is None:
+            return f"{self.prefix}{encode_json(choices)}}}"
+        return f"{self.prefix}{encode_json(choices)}, \"usage\": {encode_json(usage)}}}"
+
+
 class OpenAIServingHandler(BaseHandler):
     requires_auth = True
 
@@ -172,7 +193,7 @@ class OpenAIServingHandler(BaseHandler):
     async def send_event(self, data: Any) -> None:
         if self.client_gone:
             raise ClientGone()
-        payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        payload = data if isinstance(data, str) else encode_json(data)
         self.write(f"data: {payload}\n\n")
         try:
             await self.flush()
@@ -182,7 +203,8 @@ class OpenAIServingHandler(BaseHandler):
             raise ClientGone() from None
 
     async def run_stream(self, events: AsyncIterator[Any]) -> None:
-        """Send each event, then [DONE]; an error after the first byte goes out as an error event."""
+        """Send each event (a dict, or its JSON text), then [DONE]; an error after the first byte
+        goes out as an error event."""
         self.start_stream()
         try:
             try:

@@ -61,6 +61,30 @@ def test_lagging_consumer_gets_merged_deltas(tiny_engine, offline):
     assert out.finished and out.outputs[0].token_ids == offline[0]
 
 
+def test_merged_deltas_equal_the_offline_output(tiny_engine, tiny_chat_dir):
+    """n=2 with logprobs, nobody reading until both finish: the one merged output holds each
+    choice's text, token ids, logprobs and finish as LLM.generate gives them."""
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=10, n=2, logprobs=2)
+    want = LLM(tiny_chat_dir, kv_cache_tokens=4096).generate(PROMPTS[1], params)[0]
+
+    async def main():
+        c = await tiny_engine.add_request("lag-n2", PROMPTS[1], params, output_kind=OutputKind.DELTA)
+        while (await tiny_engine.stats())["num_running_reqs"]:
+            await asyncio.sleep(0.01)
+        return c.get_nowait(), c.get_nowait()
+
+    out, nothing_more = asyncio.run(main())
+    assert nothing_more is None and out.finished and out.request_id == "lag-n2"
+    assert [c.index for c in out.outputs] == [0, 1]
+    for got, w in zip(out.outputs, sorted(want.outputs, key=lambda c: c.index)):
+        assert got.token_ids == w.token_ids and len(got.token_ids) == 10
+        assert got.text == w.text
+        assert got.finish_reason == w.finish_reason and got.stop_reason == w.stop_reason
+        assert got.logprobs == w.logprobs and len(got.logprobs) == 10
+        assert got.cumulative_logprob == pytest.approx(w.cumulative_logprob)
+    assert out.prompt_token_ids == want.prompt_token_ids
+
+
 def test_abort_frees_blocks_and_ends_the_stream(tiny_engine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -93,3 +93,19 @@ def test_bad_chat_fields(body, param):
         req = parse_chat_request(body)
         req.to_sampling_params(req.max_tokens, req.top_logprobs, "top_logprobs")
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_stream_chunks_are_the_json_of_the_chunk_dict():
+    """StreamChunks (the head encoded once per stream) writes what json.dumps writes."""
+    import json
+
+    from kiln.server.serving_engine import StreamChunks
+
+    head = {"id": "cmpl-ü\"1", "object": "text_completion", "created": 1700000000, "model": "m/ö"}
+    chunk = StreamChunks(head)
+    choices = [{"index": 0, "text": "h\u00e9llo \U0001f600 \"q\"\n", "logprobs": None, "finish_reason": None,
+                "stop_reason": None, "token_ids": [1, 2]}]
+    use = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert chunk(choices) == json.dumps({**head, "choices": choices}, ensure_ascii=False)
+    assert chunk(choices, use) == json.dumps({**head, "choices": choices, "usage": use}, ensure_ascii=False)
+    assert chunk([], use) == json.dumps({**head, "choices": [], "usage": use}, ensure_ascii=False)
