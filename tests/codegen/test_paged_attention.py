@@ -3,6 +3,8 @@ invariance of a token's output to how its queries are grouped (prefill chunk,
 chunked prefill, decode, split-KV or not, padded bucket)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -39,12 +41,12 @@ def make_batch(rng, seqs, h, hkv, d, cache=None):
     return q, cache, bt, seq_lens, qsl
 
 
-def run(q, cache, bt, sl, qsl, f32_out=True, **kw):
+def run(q, cache, bt, sl, qsl, f32_out=True, config=CFG, **kw):
     """f32 output by default: the invariance checks compare f32 bits, which a change in
     summation order flips far more often than the rounded bf16 would."""
     if f32_out and "out" not in kw:
         kw["out"] = np.empty(q.shape, np.float32)
-    return paged_attention(q, cache, bt, sl, qsl, scale=q.shape[-1] ** -0.5, config=CFG, **kw)
+    return paged_attention(q, cache, bt, sl, qsl, scale=q.shape[-1] ** -0.5, config=config, **kw)
 
 
 @pytest.mark.parametrize("h,hkv,d", [(8, 2, 32), (3, 3, 16), (6, 2, 48)])  # GQA 4, MHA, G=3 / D=48 padded
@@ -59,29 +61,32 @@ def test_mixed_batch_matches_reference(rng, h, hkv, d):
     assert same_bits(run(q, cache, bt, sl, qsl, split=True), out), "split-KV changed the bits"
 
 
-def test_decode_equals_prefill_bit_exact(rng):
-    """The last position of a 100-token sequence (4 segments, 7 tiles): in a full prefill
-    inside a mixed batch, in the second chunk of a chunked prefill, and as a decode
-    step, split or not. Four segments make the fold order matter (with two, a + b
-    commutes)."""
+@pytest.mark.parametrize("cfg", [CFG, AttentionConfig(block_q=4, tile=16, seg=16, prefill_block_q=4)],
+                         ids=["seg>tile", "seg==tile"])
+def test_decode_equals_prefill_bit_exact(rng, cfg):
+    """The last position of a 100-token sequence (4 segments, 7 tiles; with seg == tile, 7
+    one-tile segments): in a full prefill inside a mixed batch, in the second chunk of a
+    chunked prefill, and as a decode step, split or not. Four segments make the fold order
+    matter (with two, a + b commutes)."""
     h, hkv, d, n = 8, 2, 32, 100
     q, cache, bt, sl, qsl = make_batch(rng, [(13, 5), (n, n), (30, 2)], h, hkv, d)
-    full = run(q, cache, bt, sl, qsl)
+    attend = functools.partial(run, config=cfg)
+    full = attend(q, cache, bt, sl, qsl)
     seq = q[qsl[1]:qsl[2]]  # [n, H, D]: this sequence's queries
     one = lambda x: np.ascontiguousarray(x)
-    chunk2 = run(one(seq[41:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, n - 41], np.int32))
+    chunk2 = attend(one(seq[41:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, n - 41], np.int32))
     for p in (41, 66, n - 1):
         assert same_bits(chunk2[p - 41], full[qsl[1] + p]), f"chunked prefill changed position {p}"
     for split in (False, True):
         for decode in (False, True):
-            dec = run(one(seq[n - 1:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, 1], np.int32),
+            dec = attend(one(seq[n - 1:]), cache, bt[1:2], np.array([n], np.int32), np.array([0, 1], np.int32),
                       split=split, decode=decode)
             assert same_bits(dec[0], full[qsl[1] + n - 1]), \
                 f"decode (split={split}, decode kernel={decode}) differs from prefill"
     # decode inside a batch of other decodes: the neighbours must not matter either
     qd = one(np.stack([q[qsl[1] + n - 1], q[qsl[0] + 4], q[qsl[2] + 1]]))
     for decode in (False, True):
-        dec = run(qd, cache, bt[[1, 0, 2]], sl[[1, 0, 2]], np.arange(4, dtype=np.int32),
+        dec = attend(qd, cache, bt[[1, 0, 2]], sl[[1, 0, 2]], np.arange(4, dtype=np.int32),
                   split=True, decode=decode)
         assert same_bits(dec[0], full[qsl[1] + n - 1])
         assert same_bits(dec[1], full[qsl[0] + 4])
