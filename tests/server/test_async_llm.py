@@ -10,7 +10,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.runtime.async_llm import AsyncLLM, EngineDeadError
-from kiln.runtime.outputs import OutputKind
+from kiln.runtime.outputs import OutputKind, RequestOutput
 from kiln.server.state import ServerConfig
 from tests.server.live_server import LiveServer
 from tests.server.tiny_chat_model import MODEL_NAME, tiny_engine_args
@@ -49,11 +49,20 @@ def test_two_engines_in_one_process_do_not_collide(tiny_chat_dir, offline):
     assert not a.is_running and not b.is_running
 
 
+async def until_all_delivered(c) -> None:
+    """Wait, without reading, until the collector holds the request's final output. (The engine's
+    stats can say no request is running before the front thread's last delivery has run on the
+    loop: waiting on them alone raced under load.)"""
+    async def finished():
+        while not (isinstance(c._item, RequestOutput) and c._item.finished):
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(finished(), 120)
+
+
 def test_lagging_consumer_gets_merged_deltas(tiny_engine, offline):
     async def main():
         c = await tiny_engine.add_request("lag", PROMPTS[0], PARAMS[0], output_kind=OutputKind.DELTA)
-        while (await tiny_engine.stats())["num_running_reqs"]:
-            await asyncio.sleep(0.01)
+        await until_all_delivered(c)
         out = await c.get()  # everything arrived while nobody read: one merged output
         return out
 
@@ -69,8 +78,7 @@ def test_merged_deltas_equal_the_offline_output(tiny_engine, tiny_chat_dir):
 
     async def main():
         c = await tiny_engine.add_request("lag-n2", PROMPTS[1], params, output_kind=OutputKind.DELTA)
-        while (await tiny_engine.stats())["num_running_reqs"]:
-            await asyncio.sleep(0.01)
+        await until_all_delivered(c)
         return c.get_nowait(), c.get_nowait()
 
     out, nothing_more = asyncio.run(main())
