@@ -2,14 +2,36 @@
 
 vLLM's EngineCore.step (vllm/v1/engine/core.py) without the process and
 socket plumbing: a caller (LLM, AsyncLLM) owns it and calls step().
+
+With async scheduling (SchedulerConfig.async_scheduling; vLLM's
+step_with_batch_queue with a batch queue of depth 2), the runner's
+execute_model runs on one dedicated worker thread, and step() schedules step
+N+1 while step N executes, then waits for N and updates from it. Threads:
+  - the scheduler, the requests and the KV cache manager belong to the caller's
+    thread only (step, add_request, abort_requests, make_stats, snapshot);
+  - the runner (its per-request state, the persistent batch, the executor and
+    its KV cache) belongs to the worker thread only: steps run there strictly
+    in order, so step N has appended its sampled tokens to the runner's state
+    before step N+1 gathers its inputs from that state;
+  - a SchedulerOutput is built by the caller and only read afterwards (the
+    scheduler builds fresh containers for every step), and a ModelRunnerOutput
+    is read by the caller only after its future resolved.
+KV blocks freed while a step that still writes them is in flight (a request
+finished, aborted or preempted meanwhile) can only be handed to a step
+scheduled later, which runs after it on the same thread. Full blocks are
+published to the prefix cache only up to a request's known tokens.
+When no request is left unfinished, the in-flight steps are waited for and
+dropped (their requests are all gone), so an idle engine runs nothing.
 """
 from __future__ import annotations
 
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestStatus
-from kiln.runtime.sched_output import EngineCoreOutput
+from kiln.runtime.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.scheduler_stats import SchedulerStats
 
@@ -20,22 +42,37 @@ class EngineCore:
         self.runner = runner
         self.num_steps = 0
         self.last_step_tokens = 0
+        self.async_scheduling = scheduler.async_scheduling
+        # async scheduling: scheduled steps in flight, oldest first (at most 2)
+        self._batch_queue: collections.deque[tuple[SchedulerOutput, Future]] = collections.deque()
+        # empty steps (no tokens: they only tell the runner to drop finished requests) sent
+        # while another step was in flight; waited for with the next one
+        self._side_futures: list[Future] = []
+        self._worker: ThreadPoolExecutor | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        return self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        aborted = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        if self._batch_queue and not self.scheduler.has_unfinished_requests():
+            self._drain()
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         """One engine step; -> per-request news in scheduling order."""
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
         runner_out = self.runner.execute_model(so)
+        return self._finish_step(so, runner_out)
+
+    def _finish_step(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(so, runner_out)
         self.num_steps += 1
         self.last_step_tokens = so.total_num_scheduled_tokens
@@ -47,6 +84,67 @@ class EngineCore:
             elif rid in self.scheduler.requests:  # a partial prefill chunk: no token yet
                 outputs[rid] = EngineCoreOutput(rid, [], new_prompt_logprobs=lps)
         return list(outputs.values())
+
+    # ------------------------------------------------------------ async scheduling
+
+    def _submit(self, so: SchedulerOutput) -> Future:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-execute")
+        return self._worker.submit(self.runner.execute_model, so)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Keep up to two steps in flight; -> the outputs of the oldest, once it is done.
+        Scheduling the next step (and, in the caller, processing these outputs) overlaps the
+        execution of the one submitted before it."""
+        q, sched = self._batch_queue, self.scheduler
+        while len(q) < 2 and sched.has_unfinished_requests():
+            so = sched.schedule()
+            fut = self._submit(so)
+            if so.total_num_scheduled_tokens == 0:
+                # Nothing to run now (every running request waits on its in-flight tokens, or
+                # nothing fits): the runner still has to drop the finished requests, in order.
+                if q:
+                    self._side_futures.append(fut)
+                else:
+                    q.append((so, fut))  # as the synchronous step: an empty step of its own
+                break
+            q.append((so, fut))
+        if not q:
+            return []
+        so, fut = q.popleft()
+        runner_out = fut.result()
+        if self._side_futures:
+            self._check_side_futures()
+        outputs = self._finish_step(so, runner_out)
+        if q and not sched.has_unfinished_requests():
+            self._drain()
+        return outputs
+
+    def _check_side_futures(self) -> None:
+        pending = []
+        for f in self._side_futures:
+            if f.done():
+                f.result()  # raises what the runner raised
+            else:
+                pending.append(f)
+        self._side_futures = pending
+
+    def _drain(self) -> None:
+        """Wait for the steps in flight once no request is left: every request they ran is
+        finished, so they have nothing to report (update_from_output would drop it all)."""
+        while self._batch_queue:
+            _, fut = self._batch_queue.popleft()
+            fut.result()
+        for f in self._side_futures:
+            f.result()
+        self._side_futures = []
+
+    def shutdown(self) -> None:
+        """Wait for the steps in flight and stop the worker thread (async scheduling)."""
+        self._drain()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

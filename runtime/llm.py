@@ -39,6 +39,15 @@ class EngineArgs:
     seed: Optional[int] = 0
     skip_tokenizer_init: bool = False
     chat_template: Optional[str] = None
+    # Schedule the next step while the current one executes (vLLM's --async-scheduling; CPU only)
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and self.target != "cpu":
+            # The CUDA executor's context and streams would have to be driven from the worker
+            # thread (engine_core.py); that is not written nor validated yet.
+            raise ValueError("async scheduling is not supported on the CUDA target yet "
+                             f"(target {self.target!r}); leave --async-scheduling off")
 
 
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
@@ -55,7 +64,8 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     sched_cfg = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy)
+        long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling)
     kv_cfg = full_attention_config(lm.executor.num_blocks, args.block_size, cfg.num_key_value_heads,
                                    cfg.head_dim, "f32" if args.target == "cpu" else "bf16")
     # a GPU bundle's buckets hold a fixed number of logits rows (prompt logprobs need one per token)

@@ -99,6 +99,9 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is (or is being) written
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         self.num_preemptions = 0
+        # Async scheduling: tokens of scheduled steps that will sample one for this request and
+        # whose results have not come back yet (always 0 without async scheduling).
+        self.num_output_placeholders = 0
 
         self.block_hashes: list[BlockHash] = []
         self.block_hasher: Callable[[Request], list[BlockHash]] | None = None

@@ -113,6 +113,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
         self._num_preemptions = 0  # since the previous make_stats()
+        # Async scheduling (vLLM's AsyncScheduler): schedule() may run again before the previous
+        # step's tokens came back. A step that will sample a token for a request adds one
+        # num_output_placeholders to it; update_from_output takes it off when the token arrives.
+        self.async_scheduling = scheduler_config.async_scheduling
 
     # ------------------------------------------------------------------ requests
 
@@ -206,6 +210,7 @@ class Scheduler:
         room = self.kv_cache_manager.slot_room
         room_of = room.get if room is not None else None
         cap_rows = self.max_num_logits_rows is not None
+        async_sched = self.async_scheduling
         running, scheduled = self.running, step.running_reqs
         num_scheduled = step.num_scheduled_tokens
         req_index = 0
@@ -213,6 +218,15 @@ class Scheduler:
             request = running[req_index]
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
+            if async_sched and request.num_output_placeholders:
+                pending = request.num_output_placeholders
+                if (len(request.output_token_ids) + pending >= request.max_tokens
+                        or len(request.all_token_ids) + pending >= max_model_len):
+                    # The tokens in flight already reach max_tokens / max_model_len: another
+                    # step would only compute a token that gets dropped (vLLM does the same).
+                    req_index += 1
+                    continue
+                num_new += pending  # the in-flight tokens' positions: the runner knows them
             if 0 < threshold < num_new:
                 num_new = threshold
             # vLLM clamps to max_model_len - 1 - computed (for spec tokens),
@@ -291,6 +305,9 @@ class Scheduler:
             if len(self.running) == self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
+            # A preempted request's in-flight token comes back (update_from_output) before the
+            # next schedule() can admit it: it never rejoins with tokens still unknown.
+            assert request.num_output_placeholders == 0, request
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed  # num_tokens: resumed ones have outputs
             if 0 < threshold < num_new:
@@ -347,6 +364,13 @@ class Scheduler:
         for reqs in (step.running_reqs, step.new_reqs, step.resumed_reqs):
             for r in reqs:
                 r.num_computed_tokens += nst[r.request_id]
+        if self.async_scheduling:
+            # A chunk reaching the request's last position (known tokens and the ones in flight)
+            # samples one more token; partial prefill chunks sample nothing.
+            for reqs in (step.running_reqs, step.new_reqs, step.resumed_reqs):
+                for r in reqs:
+                    if r.num_computed_tokens == len(r.all_token_ids) + r.num_output_placeholders:
+                        r.num_output_placeholders += 1
         self.finished_req_ids = set()  # a new set: the output keeps the old one
         return out
 
@@ -356,6 +380,8 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> dict[str, EngineCoreOutput]:
         """Append sampled tokens, check stops, free finished requests.
         -> per request with news (tokens or a finish), in scheduling order."""
+        if self.async_scheduling:
+            return self._update_from_output_async(scheduler_output, model_runner_output)
         outputs: dict[str, EngineCoreOutput] = {}
         stopped: set[int] = set()
         index_of = model_runner_output.req_id_to_index
@@ -388,6 +414,54 @@ class Scheduler:
                                             request.stop_reason, num_cached if num_cached > 0 else 0)
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        return outputs
+
+    def _update_from_output_async(self, scheduler_output: SchedulerOutput,
+                                  model_runner_output: ModelRunnerOutput) -> dict[str, EngineCoreOutput]:
+        """update_from_output under async scheduling (vLLM: AsyncScheduler._update_request_with_output).
+
+        Later steps may already have been scheduled, so a request's num_computed_tokens says
+        nothing about this step: a token is expected exactly where the runner sampled one.
+        Tokens of requests finished (stopped, aborted) since this step was scheduled are
+        dropped. A request preempted since then still gets its token (it is in the runner's
+        copy of the request too, and its recomputation must include it); if that token ends
+        it, it leaves the waiting queue."""
+        outputs: dict[str, EngineCoreOutput] = {}
+        stopped_running: set[int] = set()
+        stopped_waiting: list[Request] = []
+        index_of = model_runner_output.req_id_to_index
+        sampled = model_runner_output.sampled_token_ids
+        all_logprobs = model_runner_output.logprobs
+        requests, max_model_len = self.requests, self.max_model_len
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is None or request.status > _PREEMPTED:
+                continue  # finished (aborted, stopped) while the step was in flight
+            idx = index_of.get(rid)
+            if idx is None or not sampled[idx]:
+                continue  # a partial prefill chunk samples nothing
+            new_token_ids = list(sampled[idx])
+            request.num_output_placeholders -= len(new_token_ids)
+            assert request.num_output_placeholders >= 0, request
+            was_running = request.status == RequestStatus.RUNNING
+            finish_reason = None
+            if append_and_check_stop(request, new_token_ids, max_model_len):
+                finish_reason = request.get_finished_reason()
+                self._free_request(request)
+                if was_running:
+                    stopped_running.add(id(request))
+                else:
+                    stopped_waiting.append(request)
+            logprobs = all_logprobs[idx] if all_logprobs else None
+            if logprobs is not None and isinstance(logprobs, list):
+                logprobs = logprobs[:len(new_token_ids)]
+            num_cached = request.num_cached_tokens
+            outputs[rid] = EngineCoreOutput(rid, new_token_ids, finish_reason, logprobs, None,
+                                            request.stop_reason, num_cached if num_cached > 0 else 0)
+        if stopped_running:
+            self.running = [r for r in self.running if id(r) not in stopped_running]
+        if stopped_waiting:
+            self.waiting.remove_requests(stopped_waiting)
         return outputs
 
     # ------------------------------------------------------------------ stats

@@ -20,6 +20,9 @@ class SchedulerConfig:
     # so one long prompt cannot take a whole step from the decodes.
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    # Schedule step N+1 while step N executes (vLLM's --async-scheduling): a running request's
+    # sampled-but-not-yet-returned tokens count as output placeholders (runtime/scheduler.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

@@ -40,6 +40,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process (default), so HTTP never takes a step's time")
     p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while the current one executes (CPU target only for now)")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -71,11 +73,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         root, default_name = str(default_model_path()), "SmolLM2-135M-Instruct"
     else:
         root = default_name = args.model
-    engine_args = EngineArgs(
-        model=root, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy, kv_cache_tokens=args.kv_cache_tokens, chat_template=template,
-        target=args.target, bundle_dir=args.bundle)
+    try:
+        engine_args = EngineArgs(
+            model=root, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy, kv_cache_tokens=args.kv_cache_tokens, chat_template=template,
+            target=args.target, bundle_dir=args.bundle, async_scheduling=args.async_scheduling)
+    except ValueError as e:  # a combination of flags the engine refuses, before anything loads
+        raise KilnError(str(e)) from None
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or [default_name]), model_root=root,
         api_key=args.api_key, chat_template=template, enable_force_include_usage=args.enable_force_include_usage,
