@@ -73,6 +73,8 @@ def start_server(a) -> tuple[subprocess.Popen, str, list[str]]:
     cmd = [sys.executable, str(BUILD), "serve", "--port", "0", "--served-model-name", SERVED_NAME,
            "--target", a.target, "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    if a.async_scheduling:
+        cmd.append("--async-scheduling")
     for flag, value in (("--model", a.model), ("--bundle", a.bundle), ("--kv-cache-tokens", a.kv_cache_tokens)):
         if value is not None:
             cmd += [flag, str(value)]

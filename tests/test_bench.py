@@ -81,6 +81,14 @@ def test_throughput(tmp_path, tiny_ckpt):
     rec = run_bench(tmp_path, tiny_ckpt, "throughput")
     assert rec["metric"] == "output_tok_s" and rec["num_requests"] == 3
     assert rec["output_tokens"] == 15 and rec["input_tokens"] == 36
+    assert rec["async_scheduling"] is False
+
+
+def test_throughput_with_async_scheduling(tmp_path, tiny_ckpt):
+    """The flag reaches the engine (the record reads it from the engine core) and is in the command."""
+    rec = run_bench(tmp_path, tiny_ckpt, "throughput", "--async-scheduling")
+    assert rec["async_scheduling"] is True and " --async-scheduling" in rec["command"]
+    assert rec["output_tokens"] == 15
 
 
 def test_random_256_is_seeded(tmp_path, tiny_ckpt):
@@ -98,11 +106,12 @@ def test_cold_start(tmp_path, tiny_ckpt):
     assert rec["value"] == pytest.approx(rec["import_s"] + rec["engine_init_s"] + rec["first_request_s"])
 
 
-def test_server_through_the_cli(tmp_path, tiny_ckpt):
+@pytest.mark.parametrize("extra", [(), ("--async-scheduling",)], ids=["sync", "async"])
+def test_server_through_the_cli(tmp_path, tiny_ckpt, extra):
     """As a user runs it: `python build.py bench` in a process of its own, `build.py serve` under it."""
     out = tmp_path / "server.json"
     cmd = [sys.executable, str(REPO / "build.py"), "bench", "--workload", "server", "--model", str(tiny_ckpt),
-           "--concurrency", "1", "2", "--json", str(out), *SMALL]
+           "--concurrency", "1", "2", "--json", str(out), *SMALL, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(out.read_text())
