@@ -237,3 +237,23 @@ def test_serve_flag_on_cuda_target_is_one_error_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: async scheduling is not supported on the CUDA target yet")
     assert "Traceback" not in err
+
+
+def test_a_step_failing_on_the_worker_thread_reaches_the_caller(tiny_dir, prompts):
+    """An executor error on the worker thread (the fourth model step fails) is raised by
+    LLM.generate with its own message, as the synchronous engine raises it, instead of
+    hanging or dropping requests silently."""
+    for flag in (False, True):
+        llm = LLM(tiny_dir, skip_tokenizer_init=True, kv_cache_tokens=4096, async_scheduling=flag)
+        execute, calls = llm.model.executor.execute, []
+
+        def failing(inputs):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("device lost")
+            return execute(inputs)
+
+        llm.model.executor.execute = failing
+        with pytest.raises(RuntimeError, match="device lost"):
+            llm.generate(prompts[:6], GREEDY)
+        assert len(calls) in ((4,) if not flag else (4, 5)), "steps ran on after the failure"
