@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.bench.server_workload import SERVED_NAME, SSEConnection, lean_request, one_request
+
 # ---------------------------------------------------------------- the no-op model (server side)
 
 
@@ -93,34 +95,6 @@ def serve_main(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------- clients
 
-SERVED_NAME = "bench"
-
-
-async def openai_request(client, prompt: list[int], max_tokens: int) -> tuple[float, float, float, int]:
-    """-> (send, first token chunk, last token chunk, tokens), as bench/server_workload.py counts."""
-    sent = time.perf_counter()
-    stream = await client.completions.create(
-        model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
-    first = last = None
-    tokens = 0
-    async for chunk in stream:
-        n = len((chunk.choices[0].model_extra or {}).get("token_ids") or []) if chunk.choices else 0
-        if not n:
-            continue
-        last = time.perf_counter()
-        first = first or last
-        tokens += n
-    return sent, first, last, tokens
-
-
-async def lean_request(conn, prompt: list[int], max_tokens: int) -> tuple[float, float, float, int]:
-    sent, events = await conn.completion({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                                          "temperature": 0, "stream": True, "ignore_eos": True,
-                                          "return_token_ids": True})
-    return sent, events[0][0], events[-1][0], sum(len(ids) for _, ids in events)
-
-
 def proc_cpu(pid: int) -> float:
     import psutil
 
@@ -133,19 +107,17 @@ def proc_cpu(pid: int) -> float:
 
 async def run_level(kind: str, url: str, conc: int, prompts: list[list[int]], output_len: int,
                     pids: dict[str, int], on_start=None) -> dict:
-    from kiln.bench.server_workload import SSEConnection
-
-    results: list = []
+    results: list = []  # (TTFT, TPOT or None, tokens) per request, as server_workload.py measures them
     todo = list(reversed(prompts))
     if kind == "openai":
         import openai
 
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600)
-        await openai_request(client, prompts[0][:16], 4)  # warm-up
+        await one_request(client, prompts[0][:16], 4)  # warm-up
 
         async def worker() -> None:
             while todo:
-                results.append(await openai_request(client, todo.pop(), output_len))
+                results.append(await one_request(client, todo.pop(), output_len))
     else:
         conns = [SSEConnection(url) for _ in range(conc)]
         await lean_request(conns[0], prompts[0][:16], 4)
@@ -167,11 +139,11 @@ async def run_level(kind: str, url: str, conc: int, prompts: list[list[int]], ou
             c.close()
     wall = time.perf_counter() - t0
     cpu = {"client": time.process_time() - me0, **{k: proc_cpu(p) - cpu0[k] for k, p in pids.items()}}
-    tokens = sum(r[3] for r in results)
+    tokens = sum(r[2] for r in results)
     if tokens != output_len * len(prompts):
         raise RuntimeError(f"{tokens} tokens instead of {output_len * len(prompts)}")
-    ttft = [r[1] - r[0] for r in results]
-    tpot = [(r[2] - r[1]) / (r[3] - 1) for r in results if r[3] > 1]
+    ttft = [r[0] for r in results]
+    tpot = [r[1] for r in results if r[1] is not None]
     return {"client": kind, "concurrency": conc, "output_tok_s": tokens / wall, "wall_s": wall,
             "ttft_ms": 1e3 * statistics.median(ttft), "tpot_ms": 1e3 * statistics.median(tpot),
             "cpu_ms_per_1k_tokens": {k: 1e6 * v / tokens for k, v in cpu.items()}}
