@@ -379,21 +379,28 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[str, EngineCoreOutput]:
         """Append sampled tokens, check stops, free finished requests.
-        -> per request with news (tokens or a finish), in scheduling order."""
-        if self.async_scheduling:
-            return self._update_from_output_async(scheduler_output, model_runner_output)
+        -> per request with news (tokens or a finish), in scheduling order.
+
+        Under async scheduling (vLLM: AsyncScheduler._update_request_with_output) later steps
+        may already have been scheduled, so a request's num_computed_tokens says nothing about
+        this step: a token is expected exactly where the runner sampled one, and it settles one
+        of the request's output placeholders. Tokens of requests finished (stopped, aborted)
+        since this step was scheduled are dropped. A request preempted since then still gets
+        its token (it is in the runner's copy of the request too, and its recomputation must
+        include it); if that token ends it, it leaves the waiting queue."""
         outputs: dict[str, EngineCoreOutput] = {}
-        stopped: set[int] = set()
+        stopped_running: set[int] = set()
+        stopped_waiting: list[Request] = []
         index_of = model_runner_output.req_id_to_index
         sampled = model_runner_output.sampled_token_ids
         all_logprobs = model_runner_output.logprobs
-        requests, max_model_len = self.requests, self.max_model_len
+        requests, max_model_len, ahead = self.requests, self.max_model_len, self.async_scheduling
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.status > _PREEMPTED:
-                continue  # finished (aborted) while the step ran
+                continue  # finished (aborted, stopped) while the step ran
             idx = index_of.get(rid)
-            if idx is None or request.num_computed_tokens < len(request.all_token_ids):
+            if idx is None or (not ahead and request.num_computed_tokens < len(request.all_token_ids)):
                 continue  # a partial prefill chunk samples nothing (any token given is discarded)
             new_token_ids = sampled[idx]
             if len(new_token_ids) != 1:
@@ -401,57 +408,19 @@ class Scheduler:
                     continue
                 new_token_ids = list(new_token_ids)  # trimmed in place at a stop
             # (one token: nothing trims it, so the runner's list is handed on as it is)
+            preempted = False  # synchronously every request of the step is running
+            if ahead:
+                request.num_output_placeholders -= len(new_token_ids)
+                assert request.num_output_placeholders >= 0, request
+                preempted = request.status != RequestStatus.RUNNING
             finish_reason = None
             if append_and_check_stop(request, new_token_ids, max_model_len):
                 finish_reason = request.get_finished_reason()
                 self._free_request(request)
-                stopped.add(id(request))
-            logprobs = all_logprobs[idx] if all_logprobs else None
-            if logprobs is not None and isinstance(logprobs, list):
-                logprobs = logprobs[:len(new_token_ids)]
-            num_cached = request.num_cached_tokens
-            outputs[rid] = EngineCoreOutput(rid, new_token_ids, finish_reason, logprobs, None,
-                                            request.stop_reason, num_cached if num_cached > 0 else 0)
-        if stopped:
-            self.running = [r for r in self.running if id(r) not in stopped]
-        return outputs
-
-    def _update_from_output_async(self, scheduler_output: SchedulerOutput,
-                                  model_runner_output: ModelRunnerOutput) -> dict[str, EngineCoreOutput]:
-        """update_from_output under async scheduling (vLLM: AsyncScheduler._update_request_with_output).
-
-        Later steps may already have been scheduled, so a request's num_computed_tokens says
-        nothing about this step: a token is expected exactly where the runner sampled one.
-        Tokens of requests finished (stopped, aborted) since this step was scheduled are
-        dropped. A request preempted since then still gets its token (it is in the runner's
-        copy of the request too, and its recomputation must include it); if that token ends
-        it, it leaves the waiting queue."""
-        outputs: dict[str, EngineCoreOutput] = {}
-        stopped_running: set[int] = set()
-        stopped_waiting: list[Request] = []
-        index_of = model_runner_output.req_id_to_index
-        sampled = model_runner_output.sampled_token_ids
-        all_logprobs = model_runner_output.logprobs
-        requests, max_model_len = self.requests, self.max_model_len
-        for rid in scheduler_output.num_scheduled_tokens:
-            request = requests.get(rid)
-            if request is None or request.status > _PREEMPTED:
-                continue  # finished (aborted, stopped) while the step was in flight
-            idx = index_of.get(rid)
-            if idx is None or not sampled[idx]:
-                continue  # a partial prefill chunk samples nothing
-            new_token_ids = list(sampled[idx])
-            request.num_output_placeholders -= len(new_token_ids)
-            assert request.num_output_placeholders >= 0, request
-            was_running = request.status == RequestStatus.RUNNING
-            finish_reason = None
-            if append_and_check_stop(request, new_token_ids, max_model_len):
-                finish_reason = request.get_finished_reason()
-                self._free_request(request)
-                if was_running:
-                    stopped_running.add(id(request))
-                else:
+                if preempted:
                     stopped_waiting.append(request)
+                else:
+                    stopped_running.add(id(request))
             logprobs = all_logprobs[idx] if all_logprobs else None
             if logprobs is not None and isinstance(logprobs, list):
                 logprobs = logprobs[:len(new_token_ids)]
