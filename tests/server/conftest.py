@@ -22,9 +22,14 @@ def tiny_engine(tiny_chat_dir):
     engine.shutdown()
 
 
+def live_server(engine) -> LiveServer:
+    """The server the tests talk to, on `engine` (the module's `server` fixtures)."""
+    return LiveServer(engine, ServerConfig(served_model_names=(MODEL_NAME,), model_root="tiny",
+                                           max_body_bytes=64 << 10))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_engine):
-    srv = LiveServer(tiny_engine, ServerConfig(served_model_names=(MODEL_NAME,), model_root="tiny",
-                                               max_body_bytes=64 << 10))
+    srv = live_server(tiny_engine)
     yield srv
     srv.stop()

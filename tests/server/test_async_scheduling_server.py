@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.runtime.async_llm import AsyncLLM
-from kiln.server.state import ServerConfig
-from tests.server.live_server import LiveServer
+from tests.server.conftest import live_server
 from tests.server.test_concurrency import (  # noqa: F401  (collected here, with this module's fixtures)
     expected,
     test_64_concurrent_streams,
@@ -18,7 +17,7 @@ from tests.server.test_engine_process import (  # noqa: F401
     test_abort_frees_blocks_in_the_core,
     test_same_tokens_as_offline,
 )
-from tests.server.tiny_chat_model import MODEL_NAME, tiny_engine_args
+from tests.server.tiny_chat_model import tiny_engine_args
 
 ABORTS_IN_FLIGHT: list[int] = []  # steps in flight when each abort reached the core
 
@@ -41,8 +40,7 @@ def async_engine(tiny_chat_dir):
 
 @pytest.fixture(scope="module")
 def server(async_engine):
-    srv = LiveServer(async_engine, ServerConfig(served_model_names=(MODEL_NAME,), model_root="tiny",
-                                                max_body_bytes=64 << 10))
+    srv = live_server(async_engine)
     yield srv
     srv.stop()
 
