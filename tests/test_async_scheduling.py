@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.llm import EngineArgs
 from tests.server.tiny_chat_model import make_tiny_chat_model
 from tests.tiny_models import make_tiny_model
 
