@@ -66,6 +66,11 @@ class CudaContext:
             drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device), "attr")
         self.arch = major * 10 + minor  # 90 on H100/H200, 121 on GB10
 
+    def make_current(self) -> None:
+        """Make this context current on the calling thread (a driver context is current per
+        thread: async scheduling drives the executor from the engine's worker thread)."""
+        _check(self.drv.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
     # -- memory ------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
         ptr = int(_check(self.drv.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))

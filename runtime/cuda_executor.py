@@ -169,6 +169,12 @@ class CudaExecutor:
         return {"logits": self.host_logits[:l_].copy()}  # the pinned rows are reused next step
 
     # -- sampling on the device: the logits rows never cross to the host ----------------------
+    def bind_thread(self) -> None:
+        """Called once on a thread that will run steps (engine_core.py's worker thread under
+        async scheduling): the context must be current there. cuda-bindings releases the GIL
+        in its driver calls, so a step's synchronize lets the scheduler's thread run."""
+        self.ctx.make_current()
+
     def make_sampler(self, seed: int | None = None):
         """A GpuSampler over this executor's logits rows (runtime/gpu_sampler.py); None for a
         bundle compiled before the sampling kernels were part of bundles."""

@@ -89,7 +89,9 @@ class EngineCore:
 
     def _submit(self, so: SchedulerOutput) -> Future:
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-execute")
+            # an executor bound to a thread-local state (the CUDA context) is bound to the worker
+            bind = getattr(self.runner.executor, "bind_thread", None)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-execute", initializer=bind)
         return self._worker.submit(self.runner.execute_model, so)
 
     def _step_async(self) -> list[EngineCoreOutput]:

@@ -39,15 +39,8 @@ class EngineArgs:
     seed: Optional[int] = 0
     skip_tokenizer_init: bool = False
     chat_template: Optional[str] = None
-    # Schedule the next step while the current one executes (vLLM's --async-scheduling; CPU only)
+    # Schedule the next step while the current one executes (vLLM's --async-scheduling)
     async_scheduling: bool = False
-
-    def __post_init__(self) -> None:
-        if self.async_scheduling and self.target != "cpu":
-            # The CUDA executor's context and streams would have to be driven from the worker
-            # thread (engine_core.py); that is not written nor validated yet.
-            raise ValueError("async scheduling is not supported on the CUDA target yet "
-                             f"(target {self.target!r}); leave --async-scheduling off")
 
 
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:

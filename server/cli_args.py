@@ -41,7 +41,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the engine core in its own process (default), so HTTP never takes a step's time")
     p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20)
     p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step while the current one executes (CPU target only for now)")
+                   help="schedule the next step while the current one executes (vLLM's --async-scheduling)")
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.llm import EngineArgs
 from tests.server.tiny_chat_model import make_tiny_chat_model
 from tests.tiny_models import make_tiny_model
 
@@ -221,22 +220,6 @@ def test_in_flight_tokens_never_pass_max_tokens(tiny_dir, prompts):
     outs = llm.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=1))
     assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 6
     assert set(counts.values()) == {1}
-
-
-def test_cuda_target_refuses_async_scheduling():
-    with pytest.raises(ValueError, match="async scheduling is not supported on the CUDA target yet"):
-        EngineArgs(model="m", target="sm_90", async_scheduling=True)
-    EngineArgs(model="m", target="sm_90")  # the flag alone is what it refuses
-    EngineArgs(model="m", async_scheduling=True)
-
-
-def test_serve_flag_on_cuda_target_is_one_error_line(capsys):
-    from kiln.build import main
-
-    assert main(["serve", "--async-scheduling", "--target", "sm_90", "--model", "nonexistent"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: async scheduling is not supported on the CUDA target yet")
-    assert "Traceback" not in err
 
 
 def test_a_step_failing_on_the_worker_thread_reaches_the_caller(tiny_dir, prompts):
