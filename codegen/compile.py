@@ -70,6 +70,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     manifest = {
         "target": target, "config_hash": config_hash, "model_config": model_config,
         "block_size": block_size, "max_model_len": max_model_len, "batch_invariant": batch_invariant,
+        "kv_cache_dtype": graph.attrs.get("kv_cache_dtype"),
         "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "regions": regions.names, "region_bytes": regions.sizes,

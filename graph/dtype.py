@@ -55,3 +55,18 @@ def from_numpy(dtype) -> DType:
         if v == dtype:
             return k
     raise TypeError(f"no kiln dtype for numpy dtype {dtype}")
+
+
+# vLLM's --kv-cache-dtype names -> the KV cache's element type (None: the model's dtype).
+# fp8 is e4m3 with scale 1.0 (vLLM's default when a checkpoint carries no k/v scales).
+KV_CACHE_DTYPES: dict[str, DType | None] = {"auto": None, "fp8": DType.fp8e4m3, "fp8_e4m3": DType.fp8e4m3}
+
+
+def kv_cache_dtype(name: str | None) -> DType | None:
+    """A --kv-cache-dtype value -> DType or None; an unknown name is a ValueError naming the choices."""
+    if name is None:
+        return None
+    try:
+        return KV_CACHE_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown kv cache dtype {name!r} (choices: {', '.join(KV_CACHE_DTYPES)})") from None

@@ -18,6 +18,8 @@ from kiln.graph.tensor import Tensor
 OPS = OpRegistry()
 
 _f32 = np.float32
+_FP8 = to_numpy(DType.fp8e4m3)
+_FP8_MAX = _f32(448.0)  # e4m3fn's largest finite value
 
 
 def _like(i: int = 0):
@@ -172,9 +174,18 @@ def cache_write(k, v, cache, slot_mapping):
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offs = slots // bs, slots % bs
-    cache[blocks, 0, offs] = k[valid].astype(cache.dtype, copy=False)
-    cache[blocks, 1, offs] = v[valid].astype(cache.dtype, copy=False)
+    cache[blocks, 0, offs] = to_cache(k[valid], cache.dtype)
+    cache[blocks, 1, offs] = to_cache(v[valid], cache.dtype)
     return cache
+
+
+def to_cache(x: np.ndarray, dtype) -> np.ndarray:
+    """K or V values in the cache's dtype. An fp8 cache (vLLM's --kv-cache-dtype fp8, scale 1.0)
+    saturates to the largest finite value, as the GPU's cvt.rn.satfinite does and as vLLM's
+    scaled_fp8_conversion clamps; e4m3fn has no infinity, a plain cast would give NaN."""
+    if dtype == _FP8:
+        return np.clip(x.astype(_f32, copy=False), -_FP8_MAX, _FP8_MAX).astype(dtype)
+    return x.astype(dtype, copy=False)
 
 
 @OPS.register("paged_attention", inputs=5, infer=_like())

@@ -6,7 +6,9 @@ builder takes that as a flag rather than duplicating the layer.
 Step inputs (see runtime/input_batch.py for how they are filled):
   input_ids, positions, slot_mapping: i32[T]   block_table: i32[S, MB]
   seq_lens: i32[S]   query_start_loc: i32[S1] (S1 = S + 1)   logits_indices: i32[L]
-State: kv_cache.{i}: [NB, 2, block_size, Hkv, D] per layer. Output: logits f32[L, V].
+State: kv_cache.{i}: [NB, 2, block_size, Hkv, D] per layer, in `kv_cache_dtype` (default: the
+model's dtype; fp8e4m3 is vLLM's --kv-cache-dtype fp8: K and V stored with scale 1.0, read back
+into the model's dtype by the attention). Output: logits f32[L, V].
 """
 from __future__ import annotations
 
@@ -20,18 +22,21 @@ STEP_INPUTS = {
 }
 
 
-def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int = 16) -> Graph:
-    return build_decoder(cfg, dtype=dtype, block_size=block_size, qk_norm=False)
+def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int = 16,
+                kv_cache_dtype: DType | None = None) -> Graph:
+    return build_decoder(cfg, dtype=dtype, block_size=block_size, qk_norm=False, kv_cache_dtype=kv_cache_dtype)
 
 
-def build_decoder(cfg: ModelConfig, *, dtype: DType, block_size: int, qk_norm: bool) -> Graph:
+def build_decoder(cfg: ModelConfig, *, dtype: DType, block_size: int, qk_norm: bool,
+                  kv_cache_dtype: DType | None = None) -> Graph:
     g = Graph(OPS, name=cfg.architecture)
-    g.attrs.update(block_size=block_size, config_hash=cfg.compute_hash())
+    kv_dtype = DType(kv_cache_dtype or dtype)
+    g.attrs.update(block_size=block_size, config_hash=cfg.compute_hash(), kv_cache_dtype=str(kv_dtype))
     inp = {name: g.input(name, DType.i32, shape) for name, shape in STEP_INPUTS.items()}
     embed = g.weight("model.embed_tokens.weight", dtype, (cfg.vocab_size, cfg.hidden_size))
     h = g.call1("embedding", inp["input_ids"], embed, name="embed")
     for i in range(cfg.num_hidden_layers):
-        h = _decoder_layer(g, cfg, i, h, inp, dtype, block_size, qk_norm)
+        h = _decoder_layer(g, cfg, i, h, inp, dtype, kv_dtype, block_size, qk_norm)
     # Only the rows that sample need the final norm and the LM head.
     h = g.call1("gather_rows", h, inp["logits_indices"], name="gather_logits_rows")
     h = g.call1("rms_norm", h, g.weight("model.norm.weight", dtype, (cfg.hidden_size,)),
@@ -53,7 +58,7 @@ def _linear(g: Graph, x: Tensor, prefix: str, n_out: int, n_in: int, dtype: DTyp
     return g.call1("linear", x, w, *([b] if b is not None else []), name=name)
 
 
-def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dtype: DType,
+def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dtype: DType, kv_dtype: DType,
                    block_size: int, qk_norm: bool) -> Tensor:
     p, n = f"model.layers.{i}", f"layers.{i}"
     H, nh, nkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -76,7 +81,7 @@ def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dty
                 scaling=cfg.rope_scaling, max_position=cfg.max_position_embeddings)
     q = g.call1("rope", q, inp["positions"], name=f"{n}.q_rope", **rope)
     k = g.call1("rope", k, inp["positions"], name=f"{n}.k_rope", **rope)
-    cache = g.state(f"kv_cache.{i}", dtype, ("NB", 2, block_size, nkv, D))
+    cache = g.state(f"kv_cache.{i}", kv_dtype, ("NB", 2, block_size, nkv, D))
     cache = g.call1("cache_write", k, v, cache, inp["slot_mapping"], name=f"{n}.cache_write")
     a = g.call1("paged_attention", q, cache, inp["block_table"], inp["seq_lens"],
                 inp["query_start_loc"], scale=D ** -0.5, name=f"{n}.attn")

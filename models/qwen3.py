@@ -6,5 +6,6 @@ from kiln.models.config import ModelConfig
 from kiln.models.llama import build_decoder
 
 
-def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int = 16) -> Graph:
-    return build_decoder(cfg, dtype=dtype, block_size=block_size, qk_norm=True)
+def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int = 16,
+                kv_cache_dtype: DType | None = None) -> Graph:
+    return build_decoder(cfg, dtype=dtype, block_size=block_size, qk_norm=True, kv_cache_dtype=kv_cache_dtype)

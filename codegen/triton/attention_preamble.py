@@ -7,7 +7,9 @@ buffer (offsets 0, H D, (H + Hkv) D, token stride (H + 2 Hkv) D). No copy either
 
 Numbers follow reference.attention_preamble (= ops.rms_norm, ops.rope,
 ops.cache_write): the normalised value is rounded to the storage dtype before the
-weight and again after it, RoPE computes in f32 from that and rounds once. A rotary
+weight and again after it, RoPE computes in f32 from that and rounds once. An fp8
+cache (float8_e4m3fn) takes that rounded k, and v, saturated to +-448 and rounded
+again (ops.to_cache). A rotary
 partner is recomputed from its own load (same rstd, its own weight) rather than
 shuffled between lanes. cos/sin come from f32 tables [max_pos, ROT/2]
 (reference.rope_tables); dims >= ROT pass through (partial rotary).
@@ -91,13 +93,23 @@ def attention_preamble_kernel(q_ptr, k_ptr, v_ptr, stride_qt, stride_kt, stride_
             d = tl.arange(0, BLOCK_D)
             dst = cache_ptr + (slot // BS).to(tl.int64) * stride_cb + (slot % BS) * stride_cp \
                 + h[:, None] * stride_ch + d[None, :]
-            tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, _to_cache(y.to(v_ptr.dtype.element_ty), cache_ptr.dtype.element_ty), mask=mask)
             v = tl.load(v_ptr + t64 * stride_vt + offs, mask=mask, other=0.0)
-            tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_ckv, _to_cache(v, cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, CT: tl.constexpr):
+    """x (the model's dtype: ops.rope rounded k there) -> the cache's element type CT. An fp8
+    cache saturates at e4m3's largest finite value, as ops.to_cache does (scale 1.0)."""
+    if CT == tl.float8e4nv:
+        return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(CT)
+    else:
+        return x.to(CT)
 
 
 def attention_preamble_spec(t: int, h: int, hkv: int, d: int, rot: int, bs: int, dtype: str = "bfloat16", *,
-                            is_neox: bool, qk_norm: bool, config: RowConfig) -> KernelSpec:
+                            is_neox: bool, qk_norm: bool, config: RowConfig, cache_dtype: str | None = None) -> KernelSpec:
     p = sig_type(dtype)
     block_h = min(next_pow2(hkv), 8)
     i32 = lambda *names: {n: "i32" for n in names}
@@ -105,7 +117,7 @@ def attention_preamble_spec(t: int, h: int, hkv: int, d: int, rot: int, bs: int,
         module=__name__, kernel="attention_preamble_kernel",
         signature=dict(q_ptr=p, k_ptr=p, v_ptr=p, **i32("stride_qt", "stride_kt", "stride_vt"), q_norm_ptr=p,
                        k_norm_ptr=p, cos_ptr="*fp32", sin_ptr="*fp32", positions_ptr="*i32", slot_ptr="*i32",
-                       n_rows_ptr="*i32", q_out_ptr=p, stride_qo="i32", cache_ptr=p,
+                       n_rows_ptr="*i32", q_out_ptr=p, stride_qo="i32", cache_ptr=sig_type(cache_dtype or dtype),
                        **i32("stride_cb", "stride_ckv", "stride_cp", "stride_ch", "max_pos"),
                        eps="fp32", offset="fp32"),
         constexprs=dict(H=h, HKV=hkv, D=d, ROT=rot, BS=bs, IS_NEOX=is_neox, QK_NORM=qk_norm, BLOCK_H=block_h,
@@ -130,7 +142,8 @@ def attention_preamble(q, k, v, cache, positions, slot_mapping, cos, sin, q_norm
         check(dtype_name(b) == dtype_name(q), f"attention_preamble: {name} dtype differs from q")
     check_shape(k, (t, hkv, d), "attention_preamble k")
     check_shape(v, (t, hkv, d), "attention_preamble v")
-    check(dtype_name(cache) == dtype_name(q), "attention_preamble: cache dtype differs from q")
+    check(dtype_name(cache) in (dtype_name(q), "float8_e4m3fn"),
+          f"attention_preamble: cache dtype {dtype_name(cache)} is neither q's ({dtype_name(q)}) nor float8_e4m3fn")
     check_inner_contiguous(cache, "attention_preamble cache", 2)
     max_pos, half = shape_of(cos)
     rot = 2 * half
@@ -151,7 +164,8 @@ def attention_preamble(q, k, v, cache, positions, slot_mapping, cos, sin, q_norm
     check_inner_contiguous(q_out, "attention_preamble q_out", 2)
     n_rows = n_rows if n_rows is not None else as_buf(np.array([t], dtype=np.int32))
     spec = attention_preamble_spec(t, h, hkv, d, rot, bs, dtype_name(q), is_neox=is_neox, qk_norm=qk_norm,
-                                   config=config or configs.row("attention_preamble", h * d))
+                                   config=config or configs.row("attention_preamble", h * d),
+                                   cache_dtype=dtype_name(cache))
     wq, wk = (q_norm_w, k_norm_w) if qk_norm else (q, q)  # unused when QK_NORM is False
     sc = strides_of(cache)
     launch(spec, [q, k, v, strides_of(q)[0], strides_of(k)[0], strides_of(v)[0], wq, wk, cos, sin, positions,

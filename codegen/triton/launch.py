@@ -273,11 +273,13 @@ def hint_ints(spec: KernelSpec, args: Sequence[Any]) -> KernelSpec:
 
 
 def _interpreter_compat() -> None:
-    """Two fixes to Triton 3.6's interpreter, so it computes what the GPU computes:
+    """Three fixes to Triton 3.6's interpreter, so it computes what the GPU computes:
     - a scalar used as an index goes through int() of a shape-(1,) array, which
       numpy >= 2.4 refuses (`range(runtime_lo, runtime_hi)` in a kernel fails);
     - f32 -> bf16 casts truncate, where the GPU (cvt.rn.bf16.f32) and numpy round to
-      nearest even; every kernel that stores bf16 would be a rounding off.
+      nearest even; every kernel that stores bf16 would be a rounding off;
+    - fp8 (e4m3) conversions round half up and do not saturate there; the GPU's
+      cvt.rn.satfinite rounds to nearest even and clamps at +-448, as ml_dtypes after a clip.
     Patched once, only in the interpreter, only when kiln launches a kernel."""
     import ml_dtypes
     import triton.language as tl
@@ -300,6 +302,21 @@ def _interpreter_compat() -> None:
             return interpreter.TensorHandle(data, dst_type.scalar)
         return cast_impl(self, src, dst_type)
 
+    fp_to_fp = builder.create_fp_to_fp
+    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    host = {tl.float32: (np.float32, np.float32), tl.bfloat16: (ml_dtypes.bfloat16, np.uint16),
+            tl.float16: (np.float16, np.float16), tl.float8e4nv: (f8, np.uint8)}  # value type, storage type
+
+    def patched_fp_to_fp(self, src, dst_type, rounding_mode):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if tl.float8e4nv not in (s, d) or s not in host or d not in host:
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+        x = np.asarray(src.data).view(host[s][0]).astype(np.float32)
+        if d == tl.float8e4nv:  # cvt.rn.satfinite: round to nearest even, saturate
+            x = np.clip(x, -448.0, 448.0)
+        return interpreter.TensorHandle(x.astype(host[d][0]).view(host[d][1]), d)
+
     interpreter._patch_lang_tensor = patched_tensor
     builder.cast_impl = patched_cast
+    builder.create_fp_to_fp = patched_fp_to_fp
     interpreter._kiln_compat = True

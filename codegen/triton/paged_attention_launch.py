@@ -35,7 +35,8 @@ def attention_block_q(h: int, hkv: int, config: AttentionConfig, decode: bool = 
 
 def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: int, *, split: bool,
                           max_model_len: int, dtype: str = "bfloat16", out_dtype: str | None = None,
-                          config: AttentionConfig, decode: bool = False) -> list[KernelSpec]:
+                          config: AttentionConfig, decode: bool = False,
+                          cache_dtype: str | None = None) -> list[KernelSpec]:
     """decode: every sequence has exactly one query (t == num_seqs), so program s serves
     sequence s; the rows per program, warps and stages are the config's decode ones."""
     check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
@@ -51,7 +52,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
     i32 = lambda *names: {n: "i32" for n in names}
     main = KernelSpec(
         module=MODULE, kernel="paged_attention_kernel",
-        signature=dict(q_ptr=p, **i32("stride_qt", "stride_qh"), cache_ptr=p,
+        signature=dict(q_ptr=p, **i32("stride_qt", "stride_qh"), cache_ptr=sig_type(cache_dtype or dtype),
                        **i32("stride_cb", "stride_ckv", "stride_cp", "stride_ch"), bt_ptr="*i32", stride_bt="i32",
                        seq_lens_ptr="*i32", qsl_ptr="*i32", num_seqs="i32", out_ptr=o,
                        **i32("stride_ot", "stride_oh"), ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", qk_scale="fp32",
@@ -89,7 +90,8 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     _, two, bs, hkv, d2 = shape_of(cache)
     check(two == 2 and d2 == d, f"paged_attention: cache {list(shape_of(cache))} does not fit q {[t, h, d]}")
     check(h % hkv == 0, f"paged_attention: H={h} is not a multiple of Hkv={hkv}")
-    check(dtype_name(cache) == dtype_name(q), "paged_attention: cache dtype differs from q")
+    check(dtype_name(cache) in (dtype_name(q), "float8_e4m3fn"),
+          f"paged_attention: cache dtype {dtype_name(cache)} is neither q's ({dtype_name(q)}) nor float8_e4m3fn")
     check_inner_contiguous(q, "paged_attention q", 2)
     check_inner_contiguous(cache, "paged_attention cache", 2)
     s, mb = shape_of(block_table)
@@ -107,7 +109,8 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     max_model_len = max_model_len or mb * bs
     config = config or configs.attention(h, hkv, d, max_model_len)
     specs = paged_attention_specs(t, h, hkv, d, bs, s, split=split, max_model_len=max_model_len,
-                                  dtype=dtype_name(q), out_dtype=dtype_name(out), config=config, decode=decode)
+                                  dtype=dtype_name(q), out_dtype=dtype_name(out), config=config, decode=decode,
+                                  cache_dtype=dtype_name(cache))
     max_segs = specs[0].constexprs["MAX_SEGS"]
     if split:
         if workspace is None:

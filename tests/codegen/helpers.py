@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)  # an fp8 KV cache (--kv-cache-dtype fp8)
 
 
 def rand(rng: np.random.Generator, shape, dtype=BF16, scale: float = 1.0) -> np.ndarray:

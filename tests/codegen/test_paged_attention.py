@@ -11,7 +11,7 @@ import pytest
 from kiln.codegen.triton.configs import AttentionConfig
 from kiln.codegen.triton.paged_attention_launch import paged_attention
 from kiln.graph import ops
-from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
+from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, require_interpreter, same_bits
 
 CFG = AttentionConfig(block_q=4, tile=16, seg=32, prefill_block_q=4)  # small seg: several segments per sequence
 BS, NB, MB = 4, 128, 32
@@ -59,6 +59,23 @@ def test_mixed_batch_matches_reference(rng, h, hkv, d):
     out = run(q, cache, bt, sl, qsl)
     assert_close(out, ref, what="attention, f32 out")
     assert same_bits(run(q, cache, bt, sl, qsl, split=True), out), "split-KV changed the bits"
+
+
+@pytest.mark.parametrize("h,hkv,d", [(8, 2, 32), (6, 2, 48)])
+def test_fp8_cache(rng, h, hkv, d):
+    """--kv-cache-dtype fp8: the numbers of ops.paged_attention reading the e4m3 cache (the
+    kernel's dots run in f16 there), and the invariances: split-KV, decode kernel == prefill."""
+    seqs = [(29, 11), (17, 1), (9, 9), (70, 3)]
+    q, cache, bt, sl, qsl = make_batch(rng, seqs, h, hkv, d, cache=rand(rng, (NB, 2, BS, hkv, d), FP8, scale=4.0))
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5)
+    out = run(q, cache, bt, sl, qsl)
+    assert_close(out, ref, what="attention over an fp8 cache")
+    assert_close(run(q, cache, bt, sl, qsl, f32_out=False), ref, what="attention over an fp8 cache, bf16 out")
+    assert same_bits(run(q, cache, bt, sl, qsl, split=True), out), "split-KV changed the bits"
+    last = qsl[1:] - 1  # each sequence's last query, as a decode batch
+    dec = run(np.ascontiguousarray(q[last]), cache, bt, sl, np.arange(len(seqs) + 1, dtype=np.int32),
+              decode=True, split=True)
+    assert same_bits(dec, out[last]), "the decode kernel differs from the prefill one"
 
 
 @pytest.mark.parametrize("cfg", [CFG, AttentionConfig(block_q=4, tile=16, seg=16, prefill_block_q=4)],

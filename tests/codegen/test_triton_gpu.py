@@ -15,7 +15,7 @@ import pytest
 
 from kiln.codegen.triton.configs import AttentionConfig, GemmReduction, GemmTile
 from kiln.graph import ops
-from tests.codegen.helpers import BF16, assert_close, f32, rand, same_bits
+from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, same_bits
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -34,11 +34,15 @@ def cuda():
 def dev(x: np.ndarray):
     if x.dtype == BF16:
         return torch.from_numpy(f32(x)).to("cuda", torch.bfloat16)
+    if x.dtype == FP8:  # the same bytes
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).to("cuda").view(torch.float8_e4m3fn)
     return torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
 
 
 def host(t) -> np.ndarray:
     torch.cuda.synchronize()
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).cpu().numpy().view(FP8)
     return t.float().cpu().numpy().astype(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy()
 
 
@@ -83,11 +87,22 @@ def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
     return host(out)
 
 
-@pytest.mark.parametrize("cfg", [AttentionConfig(4, 32, 256), AttentionConfig(4, 16, 64), AttentionConfig(4, 64, 64)])
-def test_attention_decode_equals_prefill_on_gpu(cfg):
+FP8_NOT_INVARIANT = pytest.mark.xfail(strict=True, reason=(
+    "known gap: over an e4m3 cache (f16 dots) the decode kernel's output differs from the prefill "
+    "kernel's in the last f32 places (H200: 'decode (split=False, kernel=True) differs from prefill'); "
+    "prefill vs split prefill agree"))
+
+
+@pytest.mark.parametrize("cfg,cache_dtype", [
+    (AttentionConfig(4, 32, 256), BF16), (AttentionConfig(4, 16, 64), BF16), (AttentionConfig(4, 64, 64), BF16),
+    pytest.param(AttentionConfig(), FP8, marks=FP8_NOT_INVARIANT)],
+    ids=["tile32-seg256", "tile16-seg64", "seg==tile", "default-fp8-cache"])
+def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
+    """Every grouping of a token's query gives the same bits; with an e4m3 cache
+    (--kv-cache-dtype fp8) not yet (FP8_NOT_INVARIANT)."""
     rng = np.random.default_rng(1)
     h, hkv, d, bs, nb, mb, n = 32, 8, 128, 16, 256, 48, 700
-    cache = rand(rng, (nb, 2, bs, hkv, d))
+    cache = rand(rng, (nb, 2, bs, hkv, d), cache_dtype, scale=8.0 if cache_dtype == FP8 else 1.0)
     perm = rng.permutation(nb)
     bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
     seqs = [(90, 17), (n, n), (400, 1)]
@@ -173,6 +188,37 @@ def test_attention_preamble_on_gpu(is_neox, rot, qk_norm):
                                             rotary_dim=rot, is_neox=is_neox, max_position=max_pos)
     assert_close(host(q_out), ref_q, what="rotated q")
     assert_close(host(cache_d), ref_cache, what="cache")
+
+
+def test_attention_preamble_fp8_cache_on_gpu():
+    """The e4m3 bytes the preamble writes against ops.to_cache's: equal, but where the GPU's
+    RoPE (fma-contracted) lands k one bf16 step from the reference and that step crosses an e4m3
+    rounding boundary; saturation at +-448 as the reference."""
+    from kiln.codegen.triton import reference as R
+    from kiln.codegen.triton.attention_preamble import attention_preamble
+
+    rng = np.random.default_rng(6)
+    t, h, hkv, d, bs, nb, max_pos = 40, 32, 8, 128, 16, 8, 4096
+    q, k, v = rand(rng, (t, h, d), scale=4.0), rand(rng, (t, hkv, d), scale=4.0), rand(rng, (t, hkv, d), scale=4.0)
+    v[0, 0, :4] = np.array([600.0, -600.0, 460.0, -1e4], np.float32).astype(BF16)
+    k[1] = (f32(k[1]) * 200).astype(BF16)
+    pos = rng.integers(0, max_pos, t).astype(np.int32)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    cache = rand(rng, (nb, 2, bs, hkv, d), FP8)
+    cos, sin = R.rope_tables(d, 5e5, (), max_pos)
+    cache_d, q_out = dev(cache), torch.empty((t, h, d), dtype=torch.bfloat16, device="cuda")
+    attention_preamble(dev(q), dev(k), dev(v), cache_d, dev(pos), dev(slots), dev(cos), dev(sin), None, None,
+                       q_out, n_rows=dev(np.array([t], np.int32)))
+    ref_q, ref_cache = R.attention_preamble(q, k, v, cache.copy(), pos, slots, theta=5e5, rotary_dim=d,
+                                            max_position=max_pos)
+    got = host(cache_d)
+    assert_close(host(q_out), ref_q, what="rotated q")
+    assert same_bits(got[:, 1], ref_cache[:, 1]), "v: a plain conversion, the same bytes"
+    differ = got.view(np.uint8) != ref_cache.view(np.uint8)
+    assert differ.mean() < 1e-3, f"{int(differ.sum())} of {differ.size} e4m3 bytes differ"
+    gap = np.abs(f32(got) - f32(ref_cache))[differ]
+    assert (gap <= np.abs(f32(ref_cache))[differ] * 0.125 + 2.0 ** -9).all(), "more than one e4m3 step apart"
+    assert np.abs(f32(got)).max() == 448.0 and np.isfinite(f32(got)).all()
 
 
 def test_aot_cubin_launches_through_cuda_bindings(tmp_path):

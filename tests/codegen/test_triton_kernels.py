@@ -17,7 +17,7 @@ from kiln.codegen.triton.gemm import gemm
 from kiln.codegen.triton.rms_norm import add_rms_norm, rms_norm
 from kiln.codegen.triton.silu_mul import silu_mul
 from kiln.graph import ops
-from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
+from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, require_interpreter, same_bits
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -164,6 +164,29 @@ def test_attention_preamble(rng, is_neox, rot, qk_norm, offset):
     untouched[slots[slots >= 0]] = False
     flat, ref_flat = cache.transpose(0, 2, 1, 3, 4).reshape(nb * bs, -1), ref_cache.transpose(0, 2, 1, 3, 4)
     assert same_bits(flat[untouched], ref_flat.reshape(nb * bs, -1)[untouched])  # incl. slot -1's row
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_preamble_fp8_cache(rng, qk_norm):
+    """--kv-cache-dtype fp8: the kernel writes exactly ops.to_cache's e4m3 bytes (k rounded to
+    bf16 by RoPE first, then to e4m3; values past +-448 saturate), q as with a bf16 cache."""
+    t, h, hkv, d, bs, nb, max_pos = 6, 4, 2, 64, 4, 8, 64
+    q, k, v = rand(rng, (t, h, d), scale=3.0), rand(rng, (t, hkv, d), scale=3.0), rand(rng, (t, hkv, d), scale=3.0)
+    v[0, 0, :5] = np.array([600.0, -600.0, 448.0, 460.0, -1e4], np.float32).astype(BF16)  # saturate
+    if not qk_norm:
+        k[1] = (f32(k[1]) * 200).astype(BF16)  # rotated k past 448 too
+    pos = rng.integers(0, max_pos, t).astype(np.int32)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    cache = rand(rng, (nb, 2, bs, hkv, d)).astype(FP8)
+    ref_cache = cache.copy()
+    qw, kw = (rand(rng, (d,)), rand(rng, (d,))) if qk_norm else (None, None)
+    cos, sin = R.rope_tables(d, 10000.0, (), max_pos)
+    q_out = attention_preamble(q, k, v, cache, pos, slots, cos, sin, qw, kw)
+    ref_q, ref_cache = R.attention_preamble(q, k, v, ref_cache, pos, slots, qw, kw, theta=10000.0, rotary_dim=d,
+                                            max_position=max_pos)
+    assert same_bits(q_out, ref_q), "rotated q"
+    assert same_bits(cache, ref_cache), "fp8 cache bytes"
+    assert np.abs(f32(cache)).max() == 448.0 and np.isfinite(f32(cache)).all()
 
 
 def test_rope_tables_match_ops_rope(rng):
