@@ -24,7 +24,7 @@ from kiln.models.source import ModelSource, open_model
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.cpu_executor import CpuExecutor
 from kiln.runtime.tokenizer import Tokenizer
-from kiln.server.cli_args import add_serve_arguments
+from kiln.server.cli_args import add_kv_cache_dtype_argument, add_serve_arguments
 
 try:  # bench/ is in the repository checkout beside this file, not in an installed wheel
     from kiln.bench.cli import add_bench_arguments
@@ -67,6 +67,16 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 GPU_TARGETS = ("sm_90", "sm_121")
 
 
+def _kv_cache_dtype(name: str) -> DType | None:
+    from kiln.graph.dtype import kv_cache_dtype
+
+    try:
+        return kv_cache_dtype(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+
 def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
     """-> (ModelConfig, Tokenizer or None) without loading weights: what a serving front
     end needs when the engine core runs in another process."""
@@ -77,17 +87,19 @@ def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
 def load(model: str | Path | None = None, *, target: str = "cpu", block_size: int = 16,
          kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-         bundle_dir: str | Path | None = None) -> LoadedModel:
+         bundle_dir: str | Path | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
     """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
     or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
     model and target) and runs it on the GPU. kv_cache_tokens None (GPU): size the
-    KV cache from free memory."""
+    KV cache from free memory. kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3"
+    (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache)."""
     if target not in ("cpu",) + GPU_TARGETS:
         raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
+    kv_dtype = _kv_cache_dtype(kv_cache_dtype)
     source = open_model(model if model is not None else default_model_path())
     cfg = source.config
     dtype = DType.f32 if target == "cpu" else DType.bf16
-    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=block_size)
+    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_dtype)
     run_pipeline(graph)
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
@@ -125,8 +137,10 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
         try:
             b = Bundle.read(bundle_dir, expect_target=target, expect_config_hash=source.config.compute_hash())
             if (b.manifest["max_model_len"], b.manifest["max_num_seqs"], b.manifest["max_num_batched_tokens"],
-                    b.manifest["block_size"], b.manifest.get("schedules_sha256")) == \
-                    (max_model_len, max_num_seqs, max_num_batched_tokens, block_size, schedules.digest()):
+                    b.manifest["block_size"], b.manifest.get("schedules_sha256"),
+                    b.manifest.get("kv_cache_dtype", "bf16")) == \
+                    (max_model_len, max_num_seqs, max_num_batched_tokens, block_size, schedules.digest(),
+                     graph.attrs["kv_cache_dtype"]):
                 return b
         except BundleError:
             pass  # stale or foreign: rebuild it below
@@ -154,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     lm = load(args.model, target=args.target, bundle_dir=args.bundle,
-              kv_cache_tokens=max(4096, args.max_tokens + 4096))
+              kv_cache_tokens=max(4096, args.max_tokens + 4096), kv_cache_dtype=args.kv_cache_dtype)
     tok = lm.tokenizer
     if args.chat:
         if not tok.chat_template:
@@ -185,7 +199,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     source = open_model(args.model if args.model is not None else default_model_path())
     cfg = source.config
     dtype = DType.f32 if args.target == "cpu" else DType.bf16
-    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=args.block_size)
+    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=args.block_size,
+                                                kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype))
     run_pipeline(graph, dump_dir=args.dump_ir)
     if args.target == "cpu":
         print(f"[kiln] {cfg.architecture}: {len(graph.nodes)} nodes after the passes; the cpu target runs the "
@@ -249,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--target", default="cpu", choices=("cpu",) + GPU_TARGETS)
     g.add_argument("--bundle", help="GPU bundle directory (compiled there when missing or stale)")
+    add_kv_cache_dtype_argument(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("compile", help="compile a model to a bundle for a target (no GPU needed)")
     c.add_argument("--model", help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -259,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-model-len", type=int)
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_kv_cache_dtype_argument(c)
     c.set_defaults(func=cmd_compile)
     t = sub.add_parser("tune", help="autotune GEMM schedules on this GPU into schedules/<target>/")
     t.add_argument("--model", help="HF model directory or GGUF file (only its config is read)")

@@ -27,7 +27,7 @@ from kiln.codegen.triton.configs import AttentionConfig
 H, HKV, D, BS = 32, 8, 128, 16
 
 
-def make_case(name: str, max_model_len: int = 4096, seed: int = 0):
+def make_case(name: str, max_model_len: int = 4096, seed: int = 0, cache_dtype: str = "bf16"):
     g = torch.Generator(device="cuda").manual_seed(seed)
     if name.startswith("decode"):
         s = int(name[len("decode"):].split("@")[0])
@@ -39,7 +39,8 @@ def make_case(name: str, max_model_len: int = 4096, seed: int = 0):
         lens, counts = [n], [n]
     mb = max_model_len // BS
     nb = sum(-(-x // BS) for x in lens) + 1
-    cache = (torch.randn((nb, 2, BS, HKV, D), generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+    cache = (torch.randn((nb, 2, BS, HKV, D), generator=g, device="cuda") * 0.5).to(
+        {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[cache_dtype])
     perm = torch.randperm(nb - 1, generator=g, device="cuda").to(torch.int32)
     bt = torch.zeros((len(lens), mb), dtype=torch.int32, device="cuda")
     at = 0
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512 (repeatable)")
     ap.add_argument("--module", help="kernel module to launch instead of kiln's (A/B)")
     ap.add_argument("--split", action="store_true", help="split-KV (decode)")
+    ap.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: --kv-cache-dtype fp8")
     ap.add_argument("--configs", nargs="+", required=True, help="tile,seg,block_q,warps,stages ...")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -106,7 +108,7 @@ def main() -> None:
         L.MODULE = a.module
     rows = []
     for name in a.case or ["decode256"]:
-        case = make_case(name)
+        case = make_case(name, cache_dtype=a.cache_dtype)
         ref = {}
         for spec in a.configs:
             cfg = parse(spec, case["decode"])
@@ -116,13 +118,14 @@ def main() -> None:
                                                    f"DIFFERS max {(out.float() - ref[key].float()).abs().max():.3g}")
             ref.setdefault(key, out)
             if case["decode"]:
-                kv = sum(case["lens"]) * HKV * D * 2 * 2
+                kv = sum(case["lens"]) * HKV * D * 2 * case["cache"].element_size()
                 rate = f"{kv / us / 1e6:6.2f} TB/s K/V"
             else:
                 n = case["lens"][0]
                 rate = f"{4 * n * n * D * H / 2 / us / 1e6:6.1f} TFLOP/s"
             print(f"{name:14s} {spec:18s} split={a.split:d} {us:9.1f} us  {rate}  {same}", flush=True)
-            rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=a.split, us=us, module=L.MODULE))
+            rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=a.split, us=us, module=L.MODULE,
+                             cache_dtype=a.cache_dtype))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from kiln.graph.dtype import KV_CACHE_DTYPES
+
 WORKLOADS = ("decode", "prefill", "throughput", "random-256", "server", "cold-start")
 PEERS = ("hf-eager", "hf-compile")
 
@@ -36,6 +38,8 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-num-seqs", dict(type=int, default=256)),
     ("--max-num-batched-tokens", dict(type=int, default=2048)),
     ("--kv-cache-tokens", dict(type=int, help="KV cache size (default: 65536 on CPU, free memory on a GPU)")),
+    ("--kv-cache-dtype", dict(default="auto", choices=list(KV_CACHE_DTYPES),
+                              help="as `build.py serve` (fp8: e4m3, scale 1.0)")),
     ("--peers", dict(nargs="+", choices=PEERS, default=[],
                      help="run these peers (bench/peers/hf_gpu.py, a subprocess) first, in the same run")),
     ("--peer-json", dict(nargs="+", default=[], metavar="FILE",

@@ -75,7 +75,8 @@ def start_server(a) -> tuple[subprocess.Popen, str, list[str]]:
            "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if a.async_scheduling:
         cmd.append("--async-scheduling")
-    for flag, value in (("--model", a.model), ("--bundle", a.bundle), ("--kv-cache-tokens", a.kv_cache_tokens)):
+    for flag, value in (("--model", a.model), ("--bundle", a.bundle), ("--kv-cache-tokens", a.kv_cache_tokens),
+                        ("--kv-cache-dtype", a.kv_cache_dtype)):
         if value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -41,6 +41,13 @@ class EngineArgs:
     chat_template: Optional[str] = None
     # Schedule the next step while the current one executes (vLLM's --async-scheduling)
     async_scheduling: bool = False
+    # KV cache element type (vLLM's --kv-cache-dtype): "auto" (the model's dtype), "fp8"/"fp8_e4m3"
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        from kiln.graph.dtype import kv_cache_dtype
+
+        kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads
 
 
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
@@ -51,7 +58,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     lm = load(args.model, target=args.target, block_size=args.block_size, kv_cache_tokens=kv_tokens,
               tokenizer=not args.skip_tokenizer_init, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              bundle_dir=args.bundle_dir)
+              bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype)
     cfg = lm.source.config
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     sched_cfg = SchedulerConfig(
@@ -60,7 +67,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling)
     kv_cfg = full_attention_config(lm.executor.num_blocks, args.block_size, cfg.num_key_value_heads,
-                                   cfg.head_dim, "f32" if args.target == "cpu" else "bf16")
+                                   cfg.head_dim, lm.graph.attrs["kv_cache_dtype"])
     # a GPU bundle's buckets hold a fixed number of logits rows (prompt logprobs need one per token)
     rows = max((p["logits"] for p in getattr(lm.executor, "buckets", ())), default=None)
     scheduler = Scheduler(sched_cfg, kv_cfg, CacheConfig(args.block_size, args.enable_prefix_caching),

@@ -1,17 +1,24 @@
 """On the GPU: kiln's bf16 logits and greedy tokens against transformers on CUDA,
-and the engine's invariance (alone = batched = chunked = preempted = prefix hit)."""
+and the engine's invariance (alone = batched = chunked = preempted = prefix hit); with
+--kv-cache-dtype fp8 too, where transformers' keys and values go through e4m3 the same
+way (tests/hf_fp8_kv.py)."""
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.runtime.input_batch import SeqChunk, prepare_step
+from tests.hf_fp8_kv import fp8_kv
 from tests.tiny_models import make_tiny_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-VARIANTS = ["llama_gqa_untied", "qwen3_qknorm", "llama_llama3_rope"]
+# (model, --kv-cache-dtype)
+VARIANTS = [("llama_gqa_untied", "auto"), ("qwen3_qknorm", "auto"), ("llama_llama3_rope", "auto"),
+            ("llama_gqa_untied", "fp8"), ("qwen3_qknorm", "fp8")]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
@@ -20,21 +27,25 @@ def _prompts(n: int, seed: int, vocab: int = 256):
     return [rng.integers(0, vocab, size=int(k)).tolist() for k in rng.integers(3, 90, size=n)]
 
 
-@pytest.fixture(scope="module", params=VARIANTS)
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{v[1]}")
 def tiny(request, tmp_path_factory, gpu_target):
-    d = tmp_path_factory.mktemp(request.param)
-    make_tiny_model(d, request.param, dtype=torch.bfloat16)  # saved in bf16
+    variant, kv = request.param
+    d = tmp_path_factory.mktemp(variant)
+    make_tiny_model(d, variant, dtype=torch.bfloat16)  # saved in bf16
     load = transformers.AutoModelForCausalLM.from_pretrained
     # the truth: the bf16 weights in f32 arithmetic, loaded fresh so RoPE's inv_freq was never rounded to bf16
     hf32 = load(d, dtype=torch.float32).cuda().eval()
     hf16 = load(d, dtype=torch.bfloat16).cuda().eval()
+    if kv == "fp8":
+        hf32.kv_context = hf16.kv_context = fp8_kv
     llm = LLM(d, target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32,
-              max_num_batched_tokens=256, kv_cache_tokens=16 * 2048, bundle_dir=str(d / "bundle"))
-    return request.param, hf32, hf16, llm
+              max_num_batched_tokens=256, kv_cache_tokens=16 * 2048, bundle_dir=str(d / "bundle"),
+              kv_cache_dtype=kv)
+    return f"{variant}-{kv}", hf32, hf16, llm
 
 
 def _last_logits(model, p):
-    with torch.no_grad():
+    with torch.no_grad(), getattr(model, "kv_context", nullcontext)(model):
         return model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu().numpy()
 
 
@@ -60,7 +71,7 @@ def test_prefill_logits_within_bf16_tolerance(tiny):
 
 
 def _greedy(model, p, n):
-    with torch.no_grad():
+    with torch.no_grad(), getattr(model, "kv_context", nullcontext)(model):
         return model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
 
