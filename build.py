@@ -76,7 +76,6 @@ def _kv_cache_dtype(name: str) -> DType | None:
         raise ConfigError(str(e)) from None
 
 
-
 def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
     """-> (ModelConfig, Tokenizer or None) without loading weights: what a serving front
     end needs when the engine core runs in another process."""
