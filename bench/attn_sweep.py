@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 
 import torch
 
+from kiln.bench.device import torch_graph_us
 from kiln.codegen.triton import paged_attention_launch as L
 from kiln.codegen.triton.configs import AttentionConfig
 
@@ -76,23 +76,7 @@ def run(case, cfg: AttentionConfig, split: bool, reps: int = 20):
         L.paged_attention(case["q"], case["cache"], case["bt"], case["sl"], case["qsl"], out, scale=D ** -0.5,
                           split=split, max_model_len=case["max_model_len"], positions=case["pos"], workspace=ws,
                           config=cfg, decode=case["decode"])
-    call()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps)
-    return best, out.clone()
+    return torch_graph_us(call, reps), out.clone()
 
 
 def main() -> None:

@@ -76,3 +76,29 @@ def gpu_only_decode_ms(executor, steps: int = 100) -> float | None:
     if "d1x1" not in getattr(executor, "graphs", {}):
         return None
     return replay_ms(executor, steps)
+
+
+def torch_graph_us(call, reps: int = 20) -> float:
+    """A launch under torch (Triton JIT), timed as production runs it: one call to compile, then
+    the best of 5 replays of a CUDA graph of `reps` calls -> microseconds per call."""
+    import math
+
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / reps)
+    return best

@@ -68,28 +68,8 @@ def gemm_tma_persistent(x_desc, w_desc, y_ptr, M, stride_ym, N: tl.constexpr, K:
         _tma_tile(x_desc, w_desc, y_ptr, M, stride_ym, pid_m, pid_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-def timed(call, reps: int = 20) -> float:
-    """Best of 5 replays of a CUDA graph of `reps` calls -> microseconds per call."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps)
-    return best
-
-
 def main() -> None:
+    from kiln.bench.device import torch_graph_us
     from kiln.codegen.triton.configs import GemmReduction, GemmTile
     from kiln.codegen.triton.gemm import gemm
 
@@ -121,7 +101,7 @@ def main() -> None:
                 return ws[it["i"]]
 
             y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-            us = timed(lambda: gemm(x, nxt(), None, y, n_rows=nr, tile=tile, red=red))
+            us = torch_graph_us(lambda: gemm(x, nxt(), None, y, n_rows=nr, tile=tile, red=red))
             gemm(x, ws[0], None, y, n_rows=nr, tile=tile, red=red)
             outs["kiln"] = y.clone()
             rows.append(dict(shape=name, m=m, n=n, k=k, kernel="kiln", stages=stages, us=us))
@@ -135,11 +115,11 @@ def main() -> None:
                 def call(fn=fn, grid=grid, extra=extra):
                     it["i"] = (it["i"] + 1) % copies
                     fn[grid](xd, wds[it["i"]], y, m, y.stride(0), **kw, **extra)
-                us = timed(call)
+                us = torch_graph_us(call)
                 fn[grid](xd, wds[0], y, m, y.stride(0), **kw, **extra)
                 same = torch.equal(y, outs["kiln"])
                 rows.append(dict(shape=name, m=m, n=n, k=k, kernel=kind, stages=stages, us=us, same_bits=same))
-        us = timed(lambda: torch.matmul(x, nxt().T))
+        us = torch_graph_us(lambda: torch.matmul(x, nxt().T))
         rows.append(dict(shape=name, m=m, n=n, k=k, kernel="cublas", stages=None, us=us))
         for r in rows:
             if r["shape"] == name and "tflops" not in r:
