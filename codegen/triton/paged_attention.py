@@ -261,6 +261,9 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
+MERGE_CHUNK = tl.constexpr(16)  # segments a merge program unrolls (loads in flight together)
+
+
 @triton.jit
 def attention_merge_kernel(ws_acc_ptr, ws_ml_ptr, positions_ptr, n_rows_ptr, out_ptr, stride_ot, stride_oh, window,
                            H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -278,19 +281,24 @@ def attention_merge_kernel(ws_acc_ptr, ws_ml_ptr, positions_ptr, n_rows_ptr, out
     M = tl.full((BLOCK_H,), -float("inf"), tl.float32)
     Ls = tl.zeros((BLOCK_H,), tl.float32)
     ACC = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    # Unrolled over every possible segment so that no load waits on the fold before it (a
-    # rolled loop made a batch-1 merge 9 dependent round trips to memory). Segments outside
-    # [k_lo // SEG, pos // SEG] load the empty state (m=-inf, l=0, acc=0), whose fold is an
-    # exact identity, so the bits equal the unsplit kernel's in-order fold.
+    # Unrolled CHUNK segments at a time so that no load waits on the fold before it (a rolled
+    # loop made a batch-1 merge 9 dependent round trips to memory), and rolled over chunks:
+    # unrolling all of MAX_SEGS made a 131,072-token bundle (256 segments) take more than 25
+    # minutes to compile. Chunks run from the one holding k_lo // SEG to the one holding
+    # pos // SEG; segments outside that range load the empty state (m=-inf, l=0, acc=0), whose
+    # fold is an exact identity, so the bits equal the unsplit kernel's in-order fold.
     z_lo = k_lo // SEG
     z_hi = pos // SEG
-    for z in tl.static_range(MAX_SEGS):
-        live = (z >= z_lo) & (z <= z_hi)
-        ws = (t.to(tl.int64) * MAX_SEGS + z) * H + h
-        m = tl.load(ws_ml_ptr + ws * 2, mask=hmask & live, other=-float("inf"))
-        l = tl.load(ws_ml_ptr + ws * 2 + 1, mask=hmask & live, other=0.0)
-        acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=mask & live, other=0.0)
-        M, Ls, ACC = _fold(M, Ls, ACC, m, l, acc)
+    CHUNK: tl.constexpr = MERGE_CHUNK if MAX_SEGS > MERGE_CHUNK else MAX_SEGS
+    for c0 in range(z_lo // CHUNK * CHUNK, z_hi + 1, CHUNK):
+        for i in tl.static_range(CHUNK):
+            z = c0 + i
+            live = (z >= z_lo) & (z <= z_hi)
+            ws = (t.to(tl.int64) * MAX_SEGS + z) * H + h
+            m = tl.load(ws_ml_ptr + ws * 2, mask=hmask & live, other=-float("inf"))
+            l = tl.load(ws_ml_ptr + ws * 2 + 1, mask=hmask & live, other=0.0)
+            acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=mask & live, other=0.0)
+            M, Ls, ACC = _fold(M, Ls, ACC, m, l, acc)
     o = _finalize(Ls, ACC)
     dst = out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask)

@@ -137,6 +137,26 @@ def test_sliding_window(rng):
     assert same_bits(dec[0], out[11])
 
 
+def test_merge_walks_segments_in_chunks(rng):
+    """A bundle of many segments (40 here; 256 at 131,072 tokens): the merge unrolls 16 at a time
+    and skips whole chunks outside a query's segments; split-KV still gives the unsplit bits,
+    with a window that starts past the first chunk too."""
+    h, hkv, d, mb = 4, 2, 16, 100
+    cfg = AttentionConfig(block_q=4, tile=16, seg=16, prefill_block_q=4)
+    sl = np.array([390, 37, 275, 256], np.int32)  # segments 0..24, 0..2, 0..17, 0..15
+    cache = rand(rng, (2 * mb, 2, BS, hkv, d))
+    bt = np.stack([rng.permutation(2 * mb)[:mb] for _ in sl]).astype(np.int32)
+    qsl = np.arange(len(sl) + 1, dtype=np.int32)
+    q = rand(rng, (len(sl), h, d))
+    for window in (0, 300):  # 300: the longest query's segments start in the second chunk
+        full = run(q, cache, bt, sl, qsl, config=cfg, sliding_window=window)
+        ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5, sliding_window=window)
+        assert_close(full, ref, what=f"window {window}")
+        split = run(q, cache, bt, sl, qsl, config=cfg, split=True, max_model_len=640, sliding_window=window,
+                    decode=True)
+        assert same_bits(split, full), f"window {window}: the chunked merge changed the bits"
+
+
 def test_padded_bucket_writes_only_live_rows(rng):
     """T and S padded up to a bucket: padded tokens belong to no sequence (qsl stops at
     the live count, padded sequences are empty) and their rows are never written."""
