@@ -218,7 +218,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Sweep GEMM schedules for a model's buckets on this machine's GPU; write schedules/<target>/gemm.yaml."""
-    from kiln.codegen.autotune import GemmTuner, gemm_problems
+    from kiln.codegen.autotune import Bench, GemmTuner, gemm_problems
     from kiln.codegen.buckets import make_buckets
     from kiln.runtime.cuda_driver import CudaContext
     from kiln.schedules import ROOT, Schedules
@@ -238,7 +238,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if f"sm_{ctx.arch}" != args.target:
         raise KilnError(f"this GPU is sm_{ctx.arch}; tuning for {args.target} needs that GPU")
     say = lambda msg: print(f"[kiln] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    tuned = GemmTuner(ctx, args.target, progress=say).tune(problems)
+    tuned = GemmTuner(Bench(ctx, args.target, progress=say)).tune(problems)
     root = Path(args.out) if args.out else ROOT
     sched = Schedules.read(args.target, root)
     sched.merge(tuned)
