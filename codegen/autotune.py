@@ -45,6 +45,7 @@ TUNED_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 REPS = 24  # launch lists per captured graph
 _CT = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "fp32": ctypes.c_float}
 BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 Launch = tuple  # (KernelSpec, args): one launch as a kernel wrapper records it
 
@@ -95,7 +96,7 @@ class Bench:
         self.ctx, self.arch, self.progress, self.workers = ctx, arch, progress, workers
         self._kernels: dict[str, Any] = {}  # cache key -> loaded kernel (None: does not fit)
         self._allocs: list[int] = []
-        self._pool: np.ndarray | None = None
+        self._pools: dict[np.dtype, np.ndarray] = {}  # dtype -> random values as bytes
         self.mismatches: list[tuple[Hashable, Any]] = []  # (group, candidate) whose bits differ
 
     # -- device memory ----------------------------------------------------------------
@@ -128,12 +129,16 @@ class Bench:
         if data is not None:
             self.upload(ptr, np.ascontiguousarray(np.asarray(data, dtype=dt).reshape(shape)))
         else:
-            if self._pool is None:
-                rng = np.random.default_rng(0)
-                self._pool = (rng.standard_normal(1 << 22) * 0.5).astype(BF16).view(np.uint8)
-            for off in range(0, nbytes, self._pool.nbytes):
-                self.upload(ptr + off, self._pool[:min(self._pool.nbytes, nbytes - off)])
+            pool = self._random(FP8 if dt == FP8 else BF16)
+            for off in range(0, nbytes, pool.nbytes):
+                self.upload(ptr + off, pool[:min(pool.nbytes, nbytes - off)])
         return Buf(ptr=ptr, shape=shape, dtype=dt)
+
+    def _random(self, dt: np.dtype) -> np.ndarray:
+        if dt not in self._pools:
+            rng = np.random.default_rng(0)
+            self._pools[dt] = (rng.standard_normal(1 << 22) * 0.5).astype(dt).view(np.uint8)
+        return self._pools[dt]
 
     # -- kernels --------------------------------------------------------------------------
     def compile(self, specs: list[KernelSpec]) -> None:

@@ -4,14 +4,21 @@ recorded launches, lowering, the keep-the-best loop, the bits check and what is 
 The sweeps on a real GPU: tests/gpu/test_gpu_tune.py."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
+import pytest
+
 from kiln.codegen.autotune import Bench, GemmTuner, _GemmRig, Timed, Trial, gemm_problems, reductions, tiles
+from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
+                                              attention_shapes, decode_candidates, decode_case, parse_case,
+                                              prefill_candidates)
 from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
-from kiln.codegen.triton.configs import DEFAULT
+from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT
 from kiln.codegen.triton.launch import cdiv
+from kiln.codegen.triton.paged_attention_launch import attention_block_q
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -130,3 +137,99 @@ def test_the_gemm_rig_times_the_kernels_a_bundle_runs():
             red, tile = DEFAULT.gemm_reduction(p.n, p.k), DEFAULT.gemm_tile(m, p.n, p.k)
             rig_keys |= {cache_key(s, "sm_90") for s in specs_of(rig.timed(m, tile, red))}
     assert rig_keys == bundle_keys  # every GEMM kernel of the bundle, integer hints included
+
+
+# -- paged attention ----------------------------------------------------------------------
+SHAPES = [(32, 8, 128), (4, 2, 16), (64, 8, 128), (16, 16, 64)]
+
+
+@pytest.mark.parametrize("h,hkv,d", SHAPES)
+@pytest.mark.parametrize("max_model_len", [128, 4096, 131072])
+def test_attention_candidates_touch_only_schedule_knobs(h, hkv, d, max_model_len):
+    shape = AttentionShape(h, hkv, d, 16, max_model_len)
+    default = DEFAULT.attention(h, hkv, d, max_model_len)
+    for cands, knobs in ((decode_candidates(shape, default), ATTENTION_DECODE_KNOBS),
+                         (prefill_candidates(shape, default), ATTENTION_PREFILL_KNOBS)):
+        assert cands[0] == default and len(cands) > 4
+        for c in cands:  # tile and seg (the reduction knobs) and the other phase's knobs stay the default's
+            assert {f for f, v in dataclasses.asdict(c).items() if v != getattr(default, f)} <= set(knobs)
+            assert (c.tile, c.seg) == (default.tile, default.seg)
+        decode = knobs is ATTENTION_DECODE_KNOBS
+        effective = {(attention_block_q(h, hkv, c, decode),) + tuple(getattr(c, k) for k in knobs[1:]) for c in cands}
+        assert len(effective) == len(cands)  # no schedule timed twice
+
+
+def test_attention_cases_follow_the_bundle():
+    decode, prefill = attention_cases(make_buckets(256, 2048), 131072)
+    assert [(c.name, c.tokens, c.seqs, c.split) for c in decode] == [("decode256@1500", 256, 256, False),
+                                                                    ("decode1@512", 1, 1, True)]
+    assert (prefill.lens, prefill.tokens, prefill.seqs, prefill.decode) == ((2048,), 2048, 256, False)
+    decode, prefill = attention_cases(make_buckets(8, 512), 1024)  # a small bundle: its own limits
+    assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 8), (512, 1)] and prefill.lens == (512,)
+    assert parse_case("decode4") == decode_case(4, 1500) and parse_case("prefill300").tokens == 300
+
+
+def _attention_time(timed):
+    """Decode: 4 warps and 3 stages are fastest, then fewer rows; prefill: 32 positions, 8 warps."""
+    us = 0.0
+    for s in specs_of(timed):
+        c = s.constexprs
+        if s.kernel == "paged_attention_kernel" and c["DECODE"]:
+            us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100
+        elif s.kernel == "paged_attention_kernel":
+            us += 10 - (c["BLOCK_Q"] == 32) - (s.num_warps == 8) + s.num_stages / 100
+        else:
+            us += 1
+    return us
+
+
+def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
+    cfg, graph = tiny_graph()
+    buckets = make_buckets(128, 256)  # the largest decode bucket runs unsplit, batch 1 split
+    shapes = attention_shapes(graph, 16, 512)
+    assert shapes == [AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 16, 512)]
+    decode, prefill = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
+    bench = FakeBench(_attention_time)
+    sched = AttentionTuner(bench).tune(shapes, decode, prefill)
+    (entry,) = sched.entries["paged_attention"]
+    bq0 = attention_block_q(4, 2, dataclasses.replace(DEFAULT.attention(4, 2, 16, 512), block_q=1), decode=True)
+    assert entry.pop("us") > 0 and entry.pop("prefill_us") > 0
+    assert entry == {"h": 4, "hkv": 2, "d": 16, "block_q": bq0, "num_warps": 4, "num_stages": 3,
+                     "prefill_block_q": 32, "prefill_num_warps": 8, "prefill_num_stages": 2}
+    # every decode candidate was timed at both decode cases, split as the plan splits them
+    seen = {(s.constexprs["DECODE"], s.constexprs["SPLIT"], s.grid[0]) for t in bench.timed for s in specs_of(t)
+            if s.kernel == "paged_attention_kernel"}
+    assert {(True, False, 128), (True, True, 1)} <= seen and {x for x in seen if not x[0]}
+    assert not bench.mismatches
+
+
+def test_an_attention_schedule_that_changes_the_bits_is_reported_not_chosen():
+    _, graph = tiny_graph()
+    decode, prefill = attention_cases(make_buckets(8, 256), 512, keys=(300, 100), prompt=200)
+    def bits(timed):  # a decode kernel that computes something else with 4 warps
+        main = specs_of(timed)[0]
+        return b"bug" if main.constexprs["DECODE"] and main.num_warps == 4 else b"ok"
+    bench = FakeBench(_attention_time, bits_fn=bits)
+    sched = AttentionTuner(bench).tune(attention_shapes(graph, 16, 512), decode, prefill)
+    (entry,) = sched.entries["paged_attention"]
+    assert entry["num_warps"] == 2 and entry["prefill_num_warps"] == 8  # the fastest with the default's bits
+    assert bench.mismatches and {(g[3], c.num_warps) for g, c in bench.mismatches} == {("decode", 4)}
+
+
+@pytest.mark.parametrize("kv", [None, DType.fp8e4m3])
+def test_the_attention_rig_times_the_kernels_a_bundle_runs(kv):
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, kv_cache_dtype=kv))
+    buckets = make_buckets(8, 256)
+    decode, prefill = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
+    bench = FakeBench(lambda t: 1.0)
+    (shape,) = attention_shapes(graph, 16, 512)
+    assert shape.cache_dtype == ("float8_e4m3fn" if kv else "bfloat16")
+    default = DEFAULT.attention(shape.h, shape.hkv, shape.d, 512)
+    for case, bucket in ((decode[0], Bucket(8, 8, 8, True)), (decode[1], Bucket(1, 1, 1, True)),
+                         (prefill, Bucket(256, 8, 8, False))):
+        rig = AttentionRig(bench, shape, case)
+        got = [(cache_key(s, "sm_90"), s.grid) for s in specs_of(rig.timed(default))]
+        plan = [(cache_key(s, "sm_90"), s.grid) for s, _ in lowered(graph, bucket, buckets, 512)
+                if s.kernel in ("paged_attention_kernel", "attention_merge_kernel")]
+        assert got == plan[:len(got)], case.name  # spec, hints and grid of the layer's launches
