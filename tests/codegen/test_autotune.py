@@ -13,10 +13,11 @@ from kiln.codegen.autotune import Bench, GemmTuner, _GemmRig, Timed, Trial, gemm
 from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
                                               attention_shapes, decode_candidates, decode_case, parse_case,
                                               prefill_candidates)
+from kiln.codegen.autotune_rows import ROW_OPS, RowTuner, candidates
 from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
-from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT
+from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
 from kiln.codegen.triton.launch import cdiv
 from kiln.codegen.triton.paged_attention_launch import attention_block_q
 from kiln.graph import DType
@@ -24,6 +25,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
 from kiln.passes.plan_memory import plan_memory
+from kiln.schedules import Schedules
 from tests.tiny_models import BASE
 
 
@@ -233,3 +235,96 @@ def test_the_attention_rig_times_the_kernels_a_bundle_runs(kv):
         plan = [(cache_key(s, "sm_90"), s.grid) for s, _ in lowered(graph, bucket, buckets, 512)
                 if s.kernel in ("paged_attention_kernel", "attention_merge_kernel")]
         assert got == plan[:len(got)], case.name  # spec, hints and grid of the layer's launches
+
+
+# -- row and elementwise kernels ----------------------------------------------------------
+@pytest.mark.parametrize("op", sorted(ROW_OPS))
+@pytest.mark.parametrize("width", [64, 128, 4096, 14336])
+def test_row_candidates_touch_only_their_knobs(op, width):
+    cands = candidates(op, width)
+    elementwise = ROW_OPS[op].elementwise
+    default = DEFAULT.elementwise(op, width) if elementwise else DEFAULT.row(op, width)
+    assert cands[0] == dataclasses.asdict(default) and len(cands) > 1
+    assert all(c.keys() == ({"block", "num_warps"} if elementwise else {"num_warps"}) for c in cands)
+    assert len({tuple(c.items()) for c in cands}) == len(cands)
+    for c in cands:  # each is a config Configs accepts for that op
+        configs = Configs(lookup=lambda o, k, c=c: c if (o, k) == (op, (width,)) else None)
+        got = configs.elementwise(op, width) if elementwise else configs.row(op, width)
+        assert dataclasses.asdict(got) == c
+
+
+@pytest.mark.parametrize("extra", [{}, {"architectures": ["Qwen3ForCausalLM"]}])
+def test_row_ops_name_the_kernels_their_configs_reach(extra):
+    """ROW_OPS says which kernel a Configs op configures: overriding the op changes those
+    launches and no others (the lowering is the oracle)."""
+    _, graph = tiny_graph(**extra)
+    buckets = make_buckets(4, 64)
+    base = lowered(graph, buckets[-1], buckets, 128)
+    for op, ro in ROW_OPS.items():
+        widths = {ro.width(s.constexprs) for s, _ in base if s.kernel == ro.kernel}
+        assert widths, f"no {ro.kernel} launch in the plan"
+        new = {"block": 32, "num_warps": 16} if ro.elementwise else {"num_warps": 16}
+        configs = Configs(lookup=lambda o, k, op=op, widths=widths, new=new: new if o == op and k[0] in widths else None)
+        changed = {s.kernel for (s, _), (t, _) in zip(base, lowered(graph, buckets[-1], buckets, 128, configs))
+                   if s != t}
+        assert changed == {ro.kernel}, op
+
+
+def _rows_bench(bits_fn=lambda t: b"same"):
+    def time_fn(timed):  # 16 warps win the 1-row bucket, 8 warps the sum over the buckets
+        (spec, _), = timed.reps[0]
+        if spec.grid[0] == 1:
+            return {16: 0.1, 8: 0.5}.get(spec.num_warps, 1.0)
+        return {8: 0.5}.get(spec.num_warps, 1.0)
+    return FakeBench(time_fn, bits_fn)
+
+
+def test_row_tuner_chooses_once_per_op_and_width_over_the_buckets():
+    cfg, graph = tiny_graph()
+    buckets = make_buckets(256, 2048)
+    bench = _rows_bench()
+    tuner = RowTuner(bench, graph, buckets, lookup=None, max_model_len=512, block_size=16)
+    assert [b.name for b in tuner.buckets] == ["d1x1", "d256x256", "m2048x256"]
+    sched = tuner.tune()
+    widths = {"rms_norm": cfg.hidden_size, "attention_preamble": cfg.num_attention_heads * cfg.head_dim,
+              "silu_mul": cfg.intermediate_size, "gather_rows": cfg.hidden_size}
+    assert {op: [e["width"] for e in v] for op, v in sched.entries.items()} == {op: [w] for op, w in widths.items()}
+    for op, (e,) in sched.entries.items():
+        assert e["num_warps"] == 8 and set(e) == {"width", "num_warps", "us"} | ({"block"} if ROW_OPS[op].elementwise
+                                                                                else set())
+    assert not bench.mismatches
+    # each timed launch is weighted by how often a step of its bucket runs it
+    launches = sum(s.kernel == "rms_norm_kernel" for b in tuner.buckets for s, _ in lowered(graph, b, buckets, 512))
+    default = DEFAULT.row("rms_norm", cfg.hidden_size).num_warps
+    assert sum(t.weight for t in bench.timed if specs_of(t)[0].kernel == "rms_norm_kernel"
+               and specs_of(t)[0].num_warps == default) == launches
+    # the launches point into the device memory the rig allocated, not into the plan's regions
+    for t in bench.timed:
+        (spec, args), = t.reps[0]
+        assert all(a >= 1 << 36 for a, ty in zip(args, spec.signature.values()) if ty.startswith("*"))
+
+
+@pytest.mark.parametrize("arch,checked", [("LlamaForCausalLM", {"silu_mul", "gather_rows", "attention_preamble"}),
+                                          ("Qwen3ForCausalLM", {"silu_mul", "gather_rows"})])  # q/k norm
+def test_row_bits_are_checked_where_the_knob_is_a_schedule_knob_only(arch, checked):
+    _, graph = tiny_graph(architectures=[arch])
+
+    def bits(timed):  # every kernel gives other bits with other warps
+        return str(specs_of(timed)[0].num_warps).encode()
+    bench = _rows_bench(bits)
+    sched = RowTuner(bench, graph, make_buckets(256, 2048), lookup=None, max_model_len=512, block_size=16).tune()
+    # a norm's warps order its sum, so other bits are expected (the choice holds for every
+    # bucket); the elementwise kernels, and the preamble without q/k norm, must keep the default's
+    assert {g[0] for g, _ in bench.mismatches} == checked
+    assert {op: e[0]["num_warps"] for op, e in sched.entries.items()} == {op: 4 if op in checked else 8
+                                                                          for op in ROW_OPS}
+
+
+def test_row_tuner_times_the_fused_split_k_variants_the_gemm_schedules_make():
+    cfg, graph = tiny_graph()
+    hidden, attn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    sched = Schedules("sm_90", {"gemm_reduction": [{"n": hidden, "k": attn, "block_k": 32, "split_k": 2}]})
+    bench = _rows_bench()
+    RowTuner(bench, graph, make_buckets(4, 64), lookup=sched.lookup, max_model_len=128, block_size=16).tune()
+    splits = {specs_of(t)[0].constexprs["X_SPLIT"] for t in bench.timed if specs_of(t)[0].kernel == "rms_norm_kernel"}
+    assert splits == {0, 2}  # o_proj's partials summed by the next add_rms_norm, as in the plan
