@@ -328,3 +328,11 @@ def test_row_tuner_times_the_fused_split_k_variants_the_gemm_schedules_make():
     RowTuner(bench, graph, make_buckets(4, 64), lookup=sched.lookup, max_model_len=128, block_size=16).tune()
     splits = {specs_of(t)[0].constexprs["X_SPLIT"] for t in bench.timed if specs_of(t)[0].kernel == "rms_norm_kernel"}
     assert splits == {0, 2}  # o_proj's partials summed by the next add_rms_norm, as in the plan
+
+
+@pytest.mark.parametrize("kernels", ["gemm,foo", ""])
+def test_tune_refuses_unknown_kernel_families(kernels, capsys):
+    from kiln.build import main
+
+    assert main(["tune", "--kernels", kernels]) == 1
+    assert "--kernels takes a comma-separated list of gemm, attention, rows" in capsys.readouterr().err
