@@ -26,6 +26,7 @@ from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
 from kiln.passes.plan_memory import plan_memory
 from kiln.schedules import Schedules
+from tests.codegen.test_schedules import _sched
 from tests.tiny_models import BASE
 
 
@@ -336,3 +337,39 @@ def test_tune_refuses_unknown_kernel_families(kernels, capsys):
 
     assert main(["tune", "--kernels", kernels]) == 1
     assert "--kernels takes a comma-separated list of gemm, attention, rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("buggy", [False, True])
+def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_path, monkeypatch, capsys):
+    """build.py tune end to end with a stand-in device: --kernels attention,rows writes those two
+    files, keeps gemm.yaml as it was, and exits 1 when a schedule knob changed the bits."""
+    import json
+
+    import kiln.codegen.autotune as autotune
+    import kiln.runtime.cuda_driver as cuda_driver
+    from kiln.build import main
+
+    class Ctx:
+        arch = 90
+
+    def bits(timed):  # buggy: silu_mul gives other bits with 8 warps
+        spec = specs_of(timed)[0]
+        return b"bug" if buggy and spec.kernel == "silu_mul_kernel" and spec.num_warps == 8 else b"ok"
+    monkeypatch.setattr(cuda_driver, "CudaContext", Ctx)
+    monkeypatch.setattr(autotune, "Bench", lambda ctx, arch, progress: FakeBench(
+        lambda t: sum(s.num_warps for s in specs_of(t)) + len(t.reps), bits))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    _sched().write("gemm", tmp_path / "schedules")
+    gemm = (tmp_path / "schedules" / "sm_90" / "gemm.yaml").read_text()
+    rc = main(["tune", "--model", str(tmp_path / "model"), "--kernels", "rows,attention", "--out",
+               str(tmp_path / "schedules"), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert rc == (1 if buggy else 0)
+    assert len(errors) == buggy and all("changed the bits" in e and "silu_mul" in e for e in errors)
+    folder = tmp_path / "schedules" / "sm_90"
+    assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "gemm.yaml", "rows.yaml"]
+    assert (folder / "gemm.yaml").read_text() == gemm
+    sched = Schedules.read("sm_90", tmp_path / "schedules")
+    assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS}
+    assert sched.entries["silu_mul"][0]["num_warps"] == 4  # the fewest warps, or the default's bits
