@@ -121,7 +121,7 @@ class Bench:
 
     def buffer(self, shape, dtype, data=None) -> Buf:
         """Device memory for an array: `data`, or random values (bf16 bit patterns of a
-        normal, std 0.5: never zeros, never NaN, read as f32 too)."""
+        normal, std 0.5: finite, also where a kernel reads them as f32)."""
         dt = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         nbytes = int(np.prod(shape)) * dt.itemsize

@@ -108,7 +108,7 @@ class AttentionRig:
     lengths, query offsets, positions and the split-KV workspaces. The live sequences'
     blocks are scattered over the cache, in `copies` disjoint sets the launches take in
     turn, so that K/V that would fit in L2 (batch 1 at 512 keys: 2 MB) still comes from
-    HBM, as in a step, where 32 layers of weights went through L2 since the last read."""
+    HBM, as in a step, where every layer's weights went through L2 since the last read."""
 
     def __init__(self, bench: Bench, shape: AttentionShape, case: AttentionCase, seed: int = 0) -> None:
         self.bench, self.shape, self.case = bench, shape, case
