@@ -345,8 +345,8 @@ def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_pat
     files, keeps gemm.yaml as it was, and exits 1 when a schedule knob changed the bits."""
     import json
 
-    import kiln.codegen.autotune as autotune
-    import kiln.runtime.cuda_driver as cuda_driver
+    from kiln.codegen import autotune
+    from kiln.runtime import cuda_driver
     from kiln.build import main
 
     class Ctx:
