@@ -218,12 +218,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Sweep kernel schedules for a model's buckets on this machine's GPU; write schedules/<target>/<family>.yaml."""
-    from kiln.codegen.autotune import Bench, GemmTuner, gemm_problems
+    from kiln.codegen.autotune import Bench, DryBench, GemmTuner, gemm_problems
     from kiln.codegen.autotune_attention import AttentionTuner, attention_cases, attention_shapes
     from kiln.codegen.autotune_rows import RowTuner
     from kiln.codegen.buckets import make_buckets
+    from kiln.codegen.triton.aot import default_cache_dir
     from kiln.runtime.cuda_driver import CudaContext
-    from kiln.schedules import FAMILIES, ROOT, Schedules, ScheduleError
+    from kiln.schedules import FAMILIES, ROOT, ScheduleError, Schedules
 
     asked = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(asked) - set(FAMILIES))
@@ -247,11 +248,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         sched = Schedules.read(args.target, root)
     except ScheduleError as e:
         raise ConfigError(str(e)) from None
-    ctx = CudaContext()
-    if f"sm_{ctx.arch}" != args.target:
-        raise KilnError(f"this GPU is sm_{ctx.arch}; tuning for {args.target} needs that GPU")
     say = lambda msg: print(f"[kiln] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    bench = Bench(ctx, args.target, progress=say)
+    if args.compile_only:
+        bench = DryBench(args.target, progress=say)
+    else:
+        ctx = CudaContext()
+        if f"sm_{ctx.arch}" != args.target:
+            raise KilnError(f"this GPU is sm_{ctx.arch}; tuning for {args.target} needs that GPU")
+        bench = Bench(ctx, args.target, progress=say)
     for family in families:
         if family == "gemm":
             tuned = GemmTuner(bench).tune(gemm_problems(graph, buckets))
@@ -261,9 +265,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         else:  # under the GEMM schedules in force (split-K partials fused into add_rms_norm)
             tuned = RowTuner(bench, graph, buckets, lookup=sched.lookup, max_model_len=max_len,
                              block_size=args.block_size).tune()
+        if args.compile_only:
+            continue
         sched.merge(tuned)
         path = sched.write(family, root)
         say(f"wrote {path} (" + ", ".join(f"{len(v)} {op}" for op, v in sorted(tuned.entries.items())) + ")")
+    if args.compile_only:
+        say(f"compiled the candidates of {', '.join(families)} into {default_cache_dir()} in "
+            f"{time.perf_counter() - t0:.0f} s (nothing timed, nothing written)")
+        return 0
     say(f"tuned {', '.join(families)} in {time.perf_counter() - t0:.0f} s")
     if bench.mismatches:
         raise KilnError(f"{len(bench.mismatches)} candidate configs changed the bits of a kernel whose knobs must "
@@ -308,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel families to tune, comma-separated (default: gemm,attention,rows); each is "
                         "written to schedules/<target>/<family>.yaml, the others' files are left alone")
     t.add_argument("--max-model-len", type=int, help="as for compile (sets attention's split-KV segments)")
+    t.add_argument("--compile-only", action="store_true",
+                   help="no GPU: compile the candidates into the cubin cache (KILN_CACHE_DIR) for a later GPU run; "
+                        "writes nothing (GEMM stage 2 only for the first reduction of each weight)")
     t.add_argument("--out", help="schedules root to write (default: the schedules/ folder of this checkout)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--max-num-seqs", type=int, default=256)

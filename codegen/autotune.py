@@ -34,7 +34,7 @@ import numpy as np
 
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import gemm as k_gemm
-from kiln.codegen.triton.aot import cache_key, compile_specs
+from kiln.codegen.triton.aot import Compiled, cache_key, compile_specs
 from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
 from kiln.codegen.triton.launch import Buf, KernelSpec, recording
 from kiln.graph import Graph
@@ -154,10 +154,11 @@ class Bench:
         t0 = time.perf_counter()
         compiled = compile_specs([(s, self.arch) for s in todo.values()], workers=self.workers)
         for k, c in zip(todo, compiled):
-            fits = c.shared <= MAX_SHARED[self.arch]
-            self._kernels[k] = self.ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden) \
-                if fits else None
+            self._kernels[k] = self._load(c) if c.shared <= MAX_SHARED[self.arch] else None
         self.progress(f"  {len(todo)} kernels compiled (or cached) in {time.perf_counter() - t0:.0f} s")
+
+    def _load(self, c: Compiled) -> Any:
+        return self.ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden)
 
     def fits(self, spec: KernelSpec) -> bool:
         return self._kernels[cache_key(spec, self.arch)] is not None
@@ -224,6 +225,40 @@ class Bench:
         for group, w in won.items():
             w.baseline_us = ref[group][1] if group in ref else None
         return won
+
+
+class DryBench(Bench):
+    """No GPU: the sweeps run as on one, and every candidate they would time is compiled into
+    the cubin cache (`build.py tune --compile-only`), so that a GPU run later spends its time
+    timing. Nothing is timed: best() keeps each group's first trial, so the GEMM tiles of
+    stage 2 are compiled for that trial's reduction only, not for the one a GPU would choose."""
+
+    def __init__(self, arch: str = "sm_90", progress: Callable[[str], None] = print,
+                 workers: int | None = None) -> None:
+        super().__init__(None, arch, progress, workers)
+        self._next = 1 << 36  # fake device addresses: launches are recorded, never run
+
+    def malloc(self, nbytes: int) -> int:
+        ptr, self._next = self._next, self._next + -(-nbytes // 256) * 256 + 256
+        return ptr
+
+    def upload(self, ptr: int, host: np.ndarray) -> None:
+        pass
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        pass
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        return b""
+
+    def free_all(self) -> None:
+        pass
+
+    def _load(self, c: Compiled) -> Any:
+        return c.name
+
+    def time_us(self, timed: Timed, replays: int = 3) -> float:
+        return math.nan  # not timed: never less than another time, so the first trial stays
 
 
 # -- GEMMs ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kiln.codegen.autotune import Bench, GemmTuner, _GemmRig, Timed, Trial, gemm_problems, reductions, tiles
+from kiln.codegen.autotune import DryBench, GemmTuner, Timed, Trial, _GemmRig, gemm_problems, reductions, tiles
 from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
                                               attention_shapes, decode_candidates, decode_case, parse_case,
                                               prefill_candidates)
@@ -30,30 +30,17 @@ from tests.codegen.test_schedules import _sched
 from tests.tiny_models import BASE
 
 
-class FakeBench(Bench):
-    """No device: allocations are distinct fake addresses, nothing is compiled, and a timing
-    is `time_fn(timed)`; a read-back is `bits_fn(the Timed timed last)`."""
+class FakeBench(DryBench):
+    """No device and no compiler: allocations are distinct fake addresses, every kernel fits,
+    a timing is `time_fn(timed)` and a read-back `bits_fn(the Timed timed last)`."""
 
     def __init__(self, time_fn: Callable[[Timed], float], bits_fn: Callable[[Timed], bytes] = lambda t: b"same"):
-        super().__init__(None, "sm_90", progress=lambda s: None)
+        super().__init__("sm_90", progress=lambda s: None)
         self.time_fn, self.bits_fn = time_fn, bits_fn
-        self._next, self.last, self.timed = 1 << 36, None, []
-
-    def malloc(self, nbytes):
-        ptr, self._next = self._next, self._next + -(-nbytes // 256) * 256 + 256
-        return ptr
-
-    def upload(self, ptr, host):
-        pass
-
-    def copy(self, dst, src, nbytes):
-        pass
+        self.last, self.timed = None, []
 
     def read(self, ptr, nbytes):
         return self.bits_fn(self.last)
-
-    def free_all(self):
-        pass
 
     def compile(self, specs):
         for s in specs:
@@ -373,3 +360,33 @@ def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_pat
     sched = Schedules.read("sm_90", tmp_path / "schedules")
     assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS}
     assert sched.entries["silu_mul"][0]["num_warps"] == 4  # the fewest warps, or the default's bits
+
+
+def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkeypatch, capsys):
+    """--compile-only: the sweeps run on a DryBench, which hands every candidate's kernels to
+    the AOT compiler (here a stand-in) and writes no schedule."""
+    import json
+
+    from kiln.build import main
+    from kiln.codegen import autotune
+    from kiln.codegen.triton.aot import Compiled
+    from kiln.runtime import cuda_driver
+
+    asked = set()
+
+    def compile_specs(jobs, workers=None):
+        asked.update(s.kernel for s, _ in jobs)
+        return [Compiled(b"", s.kernel, 0, s.num_warps, 2, 0, "sm_90a") for s, _ in jobs]
+
+    def no_gpu():
+        raise AssertionError("--compile-only opened a CUDA context")
+    monkeypatch.setattr(autotune, "compile_specs", compile_specs)
+    monkeypatch.setattr(cuda_driver, "CudaContext", no_gpu)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    assert main(["tune", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "schedules"), "--compile-only",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
+    assert not (tmp_path / "schedules").exists()
+    assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "attention_merge_kernel", "rms_norm_kernel",
+                     "attention_preamble_kernel", "silu_mul_kernel", "gather_rows_kernel"}
+    assert "nothing timed, nothing written" in capsys.readouterr().err
