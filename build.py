@@ -240,7 +240,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
     else:
         cfg = open_model(args.model if args.model is not None else default_model_path()).config
-    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=args.block_size))
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=args.block_size,
+                                                             kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype)))
     buckets = make_buckets(args.max_num_seqs, args.max_num_batched_tokens)
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     root = Path(args.out) if args.out else ROOT
@@ -318,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel families to tune, comma-separated (default: gemm,attention,rows); each is "
                         "written to schedules/<target>/<family>.yaml, the others' files are left alone")
     t.add_argument("--max-model-len", type=int, help="as for compile (sets attention's split-KV segments)")
+    add_kv_cache_dtype_argument(t)  # attention and the preamble as a bundle with that cache runs them
     t.add_argument("--compile-only", action="store_true",
                    help="no GPU: compile the candidates into the cubin cache (KILN_CACHE_DIR) for a later GPU run; "
                         "writes nothing (GEMM stage 2 only for the first reduction of each weight)")

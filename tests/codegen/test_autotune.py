@@ -390,3 +390,25 @@ def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkey
     assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "attention_merge_kernel", "rms_norm_kernel",
                      "attention_preamble_kernel", "silu_mul_kernel", "gather_rows_kernel"}
     assert "nothing timed, nothing written" in capsys.readouterr().err
+
+
+def test_tune_times_attention_and_the_preamble_over_the_cache_dtype_asked_for(tmp_path, monkeypatch):
+    import json
+
+    from kiln.build import main
+    from kiln.codegen import autotune
+    from kiln.runtime import cuda_driver
+
+    class Ctx:
+        arch = 90
+    benches = []
+    monkeypatch.setattr(cuda_driver, "CudaContext", Ctx)
+    monkeypatch.setattr(autotune, "Bench", lambda ctx, arch, progress: benches.append(FakeBench(lambda t: 1.0))
+                        or benches[-1])
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    assert main(["tune", "--model", str(tmp_path / "model"), "--kernels", "attention,rows", "--kv-cache-dtype", "fp8",
+                 "--out", str(tmp_path / "schedules"), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
+    caches = {s.kernel: s.signature["cache_ptr"] for t in benches[0].timed for s in specs_of(t)
+              if "cache_ptr" in s.signature}
+    assert caches == {"paged_attention_kernel": "*fp8e4nv", "attention_preamble_kernel": "*fp8e4nv"}
