@@ -216,12 +216,20 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """Sweep GEMM schedules for a model's buckets on this machine's GPU; write schedules/<target>/gemm.yaml."""
-    from kiln.codegen.autotune import GemmTuner, gemm_problems
+    """Sweep kernel schedules for a model's buckets on this machine's GPU; write schedules/<target>/<family>.yaml."""
+    from kiln.codegen.autotune import Bench, DryBench, GemmTuner, gemm_problems
+    from kiln.codegen.autotune_attention import AttentionTuner, attention_cases, attention_shapes
+    from kiln.codegen.autotune_rows import RowTuner
     from kiln.codegen.buckets import make_buckets
+    from kiln.codegen.triton.aot import default_cache_dir
     from kiln.runtime.cuda_driver import CudaContext
-    from kiln.schedules import ROOT, Schedules
+    from kiln.schedules import FAMILIES, ROOT, ScheduleError, Schedules
 
+    asked = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = sorted(set(asked) - set(FAMILIES))
+    if unknown or not asked:
+        raise KilnError(f"--kernels takes a comma-separated list of {', '.join(FAMILIES)} (got {args.kernels!r})")
+    families = [f for f in FAMILIES if f in asked]  # gemm first: the row kernels fuse its split-K partials
     t0 = time.perf_counter()
     cfg_file = Path(args.model or "") / "config.json"
     if args.model and cfg_file.is_file():  # tuning needs shapes only: a config.json alone will do
@@ -231,19 +239,46 @@ def cmd_tune(args: argparse.Namespace) -> int:
         cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
     else:
         cfg = open_model(args.model if args.model is not None else default_model_path()).config
-    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=args.block_size))
-    problems = gemm_problems(graph, make_buckets(args.max_num_seqs, args.max_num_batched_tokens))
-    ctx = CudaContext()
-    if f"sm_{ctx.arch}" != args.target:
-        raise KilnError(f"this GPU is sm_{ctx.arch}; tuning for {args.target} needs that GPU")
-    say = lambda msg: print(f"[kiln] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    tuned = GemmTuner(ctx, args.target, progress=say).tune(problems)
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=args.block_size,
+                                                             kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype)))
+    buckets = make_buckets(args.max_num_seqs, args.max_num_batched_tokens)
+    max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     root = Path(args.out) if args.out else ROOT
-    sched = Schedules.read(args.target, root)
-    sched.merge(tuned)
-    path = sched.write("gemm", root)
-    say(f"wrote {path} ({len(tuned.entries.get('gemm_tile', []))} tiles, "
-        f"{len(tuned.entries.get('gemm_reduction', []))} reductions) in {time.perf_counter() - t0:.0f} s")
+    try:
+        sched = Schedules.read(args.target, root)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+    say = lambda msg: print(f"[kiln] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.compile_only:
+        bench = DryBench(args.target, progress=say)
+    else:
+        ctx = CudaContext()
+        if f"sm_{ctx.arch}" != args.target:
+            raise KilnError(f"this GPU is sm_{ctx.arch}; tuning for {args.target} needs that GPU")
+        bench = Bench(ctx, args.target, progress=say)
+    for family in families:
+        if family == "gemm":
+            tuned = GemmTuner(bench).tune(gemm_problems(graph, buckets))
+        elif family == "attention":
+            tuned = AttentionTuner(bench).tune(attention_shapes(graph, args.block_size, max_len),
+                                               *attention_cases(buckets, max_len))
+        else:  # under the GEMM schedules in force (split-K partials fused into add_rms_norm)
+            tuned = RowTuner(bench, graph, buckets, lookup=sched.lookup, max_model_len=max_len,
+                             block_size=args.block_size).tune()
+        if args.compile_only:
+            continue
+        sched.merge(tuned)
+        path = sched.write(family, root)
+        say(f"wrote {path} (" + ", ".join(f"{len(v)} {op}" for op, v in sorted(tuned.entries.items())) + ")")
+    if args.compile_only:
+        say(f"compiled the candidates of {', '.join(families)} into {default_cache_dir()} in "
+            f"{time.perf_counter() - t0:.0f} s (nothing timed, nothing written)")
+        return 0
+    say(f"tuned {', '.join(families)} in {time.perf_counter() - t0:.0f} s")
+    if bench.mismatches:
+        raise KilnError(f"{len(bench.mismatches)} candidate configs changed the bits of a kernel whose knobs must "
+                        f"not (none was chosen; this is a kernel bug): "
+                        + "; ".join(f"{group} {cand}" for group, cand in bench.mismatches))
     return 0
 
 
@@ -276,9 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
     add_kv_cache_dtype_argument(c)
     c.set_defaults(func=cmd_compile)
-    t = sub.add_parser("tune", help="autotune GEMM schedules on this GPU into schedules/<target>/")
+    t = sub.add_parser("tune", help="autotune kernel schedules on this GPU into schedules/<target>/")
     t.add_argument("--model", help="HF model directory or GGUF file (only its config is read)")
     t.add_argument("--target", default="sm_90", choices=GPU_TARGETS)
+    t.add_argument("--kernels", default="gemm,attention,rows",
+                   help="kernel families to tune, comma-separated (default: gemm,attention,rows); each is "
+                        "written to schedules/<target>/<family>.yaml, the others' files are left alone")
+    t.add_argument("--max-model-len", type=int, help="as for compile (sets attention's split-KV segments)")
+    add_kv_cache_dtype_argument(t)  # attention and the preamble as a bundle with that cache runs them
+    t.add_argument("--compile-only", action="store_true",
+                   help="no GPU: compile the candidates into the cubin cache (KILN_CACHE_DIR) for a later GPU run; "
+                        "writes nothing (GEMM stage 2 only for the first reduction of each weight)")
     t.add_argument("--out", help="schedules root to write (default: the schedules/ folder of this checkout)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--max-num-seqs", type=int, default=256)

@@ -1,16 +1,23 @@
 """Paged attention alone on the GPU, across schedules: a decode batch and a prefill.
 
-    python bench/attn_sweep.py [--case decode256|prefill2048|decode1] [--module MOD] [--configs SPEC ...]
+    python bench/attn_sweep.py [--case decode256@1500|prefill2048|decode1@512 ...] [--split auto|on|off]
+                               [--cache-dtype bf16|fp8] [--module MOD] [--max-model-len N] --configs SPEC ...
+                               [--json OUT]
 
-Times kiln's paged_attention kernel (Triton JIT, torch tensors; the same kernel the AOT
-bundles carry) at the Llama-3.1-8B head shape (32 query heads, 8 KV heads, 128 dims,
-16-token blocks), replaying a CUDA graph of 20 launches. Reports microseconds per call and
-the K/V bytes read per second (decode) or attention TFLOP/s (prefill, causal: 4 N^2 D H / 2).
-Every config's output is compared with the first one's: same tile and seg must give
-the same bits (rows per program, warps and stages only group rows).
+Times kiln's paged_attention kernel the way `build.py tune` does, with the same code
+(codegen/autotune_attention.py): the AOT cubins a bundle carries, loaded with cuda.bindings,
+a CUDA graph of back-to-back launches, K/V rotated over copies so that it comes from HBM.
+Shape: Llama-3.1-8B's heads (32 query heads, 8 KV heads, 128 dims, 16-token blocks).
+Reports microseconds per call and the K/V bytes read per second (decode) or attention
+TFLOP/s (prefill, causal: 4 N^2 D H / 2). Every config's output is compared with the first
+one's of the same tile and seg: they must give the same bits (rows per program, warps and
+stages only group rows). Unlike the tuner, this sweeps tile and seg too (they change the
+sums: a model's choice, never a bucket's).
 
 A config is `tile,seg,block_q,warps,stages`; for prefill cases block_q/warps/stages are the
-prefill ones. --module points the launch at another copy of the kernel (an A/B).
+prefill ones. --split: decode split-KV as a bundle's plan has it (auto), or forced.
+--cache-dtype fp8: the KV cache of --kv-cache-dtype fp8. --module points the launch at another
+copy of the kernel (an A/B).
 """
 from __future__ import annotations
 
@@ -18,43 +25,12 @@ import argparse
 import dataclasses
 import json
 
-import torch
-
-from kiln.bench.device import torch_graph_us
+from kiln.codegen.autotune import Bench
+from kiln.codegen.autotune_attention import AttentionRig, AttentionShape, parse_case
 from kiln.codegen.triton import paged_attention_launch as L
 from kiln.codegen.triton.configs import AttentionConfig
 
 H, HKV, D, BS = 32, 8, 128, 16
-
-
-def make_case(name: str, max_model_len: int = 4096, seed: int = 0, cache_dtype: str = "bf16"):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if name.startswith("decode"):
-        s = int(name[len("decode"):].split("@")[0])
-        ctx = int(name.split("@")[1]) if "@" in name else 1500
-        lens = [ctx] * s
-        counts = [1] * s
-    else:
-        n = int(name[len("prefill"):])
-        lens, counts = [n], [n]
-    mb = max_model_len // BS
-    nb = sum(-(-x // BS) for x in lens) + 1
-    cache = (torch.randn((nb, 2, BS, HKV, D), generator=g, device="cuda") * 0.5).to(
-        {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[cache_dtype])
-    perm = torch.randperm(nb - 1, generator=g, device="cuda").to(torch.int32)
-    bt = torch.zeros((len(lens), mb), dtype=torch.int32, device="cuda")
-    at = 0
-    for i, x in enumerate(lens):
-        k = -(-x // BS)
-        bt[i, :k] = perm[at:at + k]
-        at += k
-    t = sum(counts)
-    q = torch.randn((t, H, D), generator=g, device="cuda").to(torch.bfloat16)
-    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32, device="cuda")
-    pos = torch.cat([torch.arange(x - c, x, dtype=torch.int32) for x, c in zip(lens, counts)]).cuda()
-    return dict(q=q, cache=cache, bt=bt, sl=sl, qsl=qsl, pos=pos, lens=lens, counts=counts,
-                decode=name.startswith("decode"), max_model_len=max_model_len)
 
 
 def parse(spec: str, decode: bool) -> AttentionConfig:
@@ -65,51 +41,49 @@ def parse(spec: str, decode: bool) -> AttentionConfig:
                            prefill_num_stages=stages)
 
 
-def run(case, cfg: AttentionConfig, split: bool, reps: int = 20):
-    t = case["q"].shape[0]
-    segs = -(-case["max_model_len"] // cfg.seg)
-    out = torch.empty((t, H, D), dtype=torch.bfloat16, device="cuda")
-    ws = (torch.empty((t, segs, H, D), dtype=torch.float32, device="cuda"),
-          torch.empty((t, segs, H, 2), dtype=torch.float32, device="cuda"))
-
-    def call():
-        L.paged_attention(case["q"], case["cache"], case["bt"], case["sl"], case["qsl"], out, scale=D ** -0.5,
-                          split=split, max_model_len=case["max_model_len"], positions=case["pos"], workspace=ws,
-                          config=cfg, decode=case["decode"])
-    return torch_graph_us(call, reps), out.clone()
-
-
 def main() -> None:
+    from kiln.runtime.cuda_driver import CudaContext
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512 (repeatable)")
     ap.add_argument("--module", help="kernel module to launch instead of kiln's (A/B)")
-    ap.add_argument("--split", action="store_true", help="split-KV (decode)")
+    ap.add_argument("--split", choices=("auto", "on", "off"), default="auto", help="split-KV (decode)")
     ap.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: --kv-cache-dtype fp8")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--configs", nargs="+", required=True, help="tile,seg,block_q,warps,stages ...")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.module:
         L.MODULE = a.module
+    ctx = CudaContext()
+    bench = Bench(ctx, f"sm_{ctx.arch}", progress=lambda s: None)
+    shape = AttentionShape(H, HKV, D, BS, a.max_model_len,
+                           cache_dtype={"bf16": "bfloat16", "fp8": "float8_e4m3fn"}[a.cache_dtype])
     rows = []
     for name in a.case or ["decode256"]:
-        case = make_case(name, cache_dtype=a.cache_dtype)
+        case = parse_case(name, {"auto": None, "on": True, "off": False}[a.split])
+        rig = AttentionRig(bench, shape, case)
         ref = {}
         for spec in a.configs:
-            cfg = parse(spec, case["decode"])
-            us, out = run(case, cfg, a.split)
+            cfg = parse(spec, case.decode)
+            timed = rig.timed(cfg)
+            bench.compile([s for s, _ in timed.reps[0]])
+            if not all(bench.fits(s) for s, _ in timed.reps[0]):
+                print(f"{name:14s} {spec:18s} needs more shared memory than a block has", flush=True)
+                continue
+            us, out = bench.time_us(timed), rig.output()
             key = (cfg.tile, cfg.seg)
-            same = "first" if key not in ref else ("same bits" if torch.equal(out, ref[key]) else
-                                                   f"DIFFERS max {(out.float() - ref[key].float()).abs().max():.3g}")
+            same = "first" if key not in ref else ("same bits" if out == ref[key] else "BITS DIFFER")
             ref.setdefault(key, out)
-            if case["decode"]:
-                kv = sum(case["lens"]) * HKV * D * 2 * case["cache"].element_size()
-                rate = f"{kv / us / 1e6:6.2f} TB/s K/V"
+            if case.decode:
+                rate = f"{rig.kv_bytes / us / 1e6:6.2f} TB/s K/V"
             else:
-                n = case["lens"][0]
+                n = case.lens[0]
                 rate = f"{4 * n * n * D * H / 2 / us / 1e6:6.1f} TFLOP/s"
-            print(f"{name:14s} {spec:18s} split={a.split:d} {us:9.1f} us  {rate}  {same}", flush=True)
-            rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=a.split, us=us, module=L.MODULE,
+            print(f"{name:14s} {spec:18s} split={case.split:d} {us:9.1f} us  {rate}  {same}", flush=True)
+            rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=case.split, us=us, module=L.MODULE,
                              cache_dtype=a.cache_dtype))
+        bench.free_all()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,11 +1,19 @@
-"""`build.py tune`: sweep GEMM schedules on the GPU, timed the way production runs them.
+"""`build.py tune`: sweep kernel schedules on the GPU, timed the way production runs them.
 
-For every weight of the fused graph ([N, K]) and every GEMM row count M its
-buckets use, candidates are compiled (in parallel child processes, through the
-same AOT path as a bundle), loaded with cuda.bindings and timed as one CUDA graph
-of `reps` back-to-back launches, with the weight rotating over enough copies that
-it streams from HBM as in a real step (a layer's weight is never in L2 when its
-GEMM starts). The winners become schedules/<arch>/gemm.yaml entries.
+`Bench` is what every sweep shares. A candidate's launches are recorded through the
+kernel wrappers (launch.recording(), so each carries the spec, integer hints and
+arguments a bundle's plan would), compiled through the same AOT path as a bundle (in
+parallel child processes, cached), loaded with cuda.bindings and timed as one CUDA graph
+of back-to-back launches. `Bench.best` keeps the fastest candidate of each group; where a
+sweep reads back what its launches wrote, a candidate whose bits differ from the default
+config's is never chosen and is listed in `Bench.mismatches` (a schedule knob that changes
+results is a bug to report, not a faster candidate). The sweeps: GEMMs here, paged
+attention in autotune_attention.py, row kernels in autotune_rows.py.
+
+GEMMs: for every weight of the fused graph ([N, K]) and every GEMM row count M its
+buckets use, the weight rotates over enough copies that it streams from HBM as in a
+real step (a layer's weight is never in L2 when its GEMM starts). The winners become
+schedules/<arch>/gemm.yaml entries.
 
 Invariance (DESIGN.md): the reduction knobs (BLOCK_K, SPLIT_K) are chosen once per
 weight, at the smallest M (the batch-1 decode step, where the GEMM is a pure
@@ -17,23 +25,243 @@ from __future__ import annotations
 import ctypes
 import math
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import gemm as k_gemm
-from kiln.codegen.triton.aot import cache_key, compile_specs
+from kiln.codegen.triton.aot import Compiled, cache_key, compile_specs
 from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
+from kiln.codegen.triton.launch import Buf, KernelSpec, recording
 from kiln.graph import Graph
 from kiln.schedules import Schedules
 
 MAX_SHARED = {"sm_90": 232448, "sm_121": 101376}  # opt-in dynamic shared memory per block
 TUNED_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+REPS = 24  # launch lists per captured graph
 _CT = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "fp32": ctypes.c_float}
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+Launch = tuple  # (KernelSpec, args): one launch as a kernel wrapper records it
 
 
+def record(fn: Callable, *args: Any, **kw: Any) -> list[Launch]:
+    """The launches a kernel wrapper makes, recorded instead of run."""
+    with recording() as launches:
+        fn(*args, **kw)
+    return launches
+
+
+@dataclass
+class Timed:
+    """`reps` launch lists captured back to back as one CUDA graph; its time is per list.
+    The lists launch the same kernels (they may rotate buffers). `setup` runs before the
+    timing (it restores device memory the launches read), `output` after it: it reads
+    back what the launches wrote, for the bits check."""
+    reps: list[list[Launch]]
+    weight: float = 1.0
+    setup: Callable[[], None] | None = None
+    output: Callable[[], bytes] | None = None
+
+
+@dataclass
+class Trial:
+    """One candidate of a group (the candidates competing for one schedules entry). Its
+    time is the weighted sum over `timed()`, built on demand (device buffers exist only
+    on the GPU). The baseline's outputs are the bits its group's other trials must give."""
+    group: Hashable
+    cand: Any
+    timed: Callable[[], list[Timed]]
+    baseline: bool = False
+
+
+@dataclass
+class Won:
+    us: float
+    cand: Any
+    baseline_us: float | None = None
+
+
+class Bench:
+    """Device memory, compiled candidates and their timing on one GPU (`ctx`: a CudaContext).
+    The methods that touch the device are small and few, so a test can stand in for them."""
+
+    def __init__(self, ctx, arch: str = "sm_90", progress: Callable[[str], None] = print,
+                 workers: int | None = None) -> None:
+        self.ctx, self.arch, self.progress, self.workers = ctx, arch, progress, workers
+        self._kernels: dict[str, Any] = {}  # cache key -> loaded kernel (None: does not fit)
+        self._allocs: list[int] = []
+        self._pools: dict[np.dtype, np.ndarray] = {}  # dtype -> random values as bytes
+        self.mismatches: list[tuple[Hashable, Any]] = []  # (group, candidate) whose bits differ
+
+    # -- device memory ----------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        ptr = self.ctx.malloc(nbytes)
+        self._allocs.append(ptr)
+        return ptr
+
+    def upload(self, ptr: int, host: np.ndarray) -> None:
+        self.ctx.upload(ptr, host)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.ctx.copy(dst, src, nbytes)
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        return self.ctx.download(ptr, np.empty(nbytes, np.uint8)).tobytes()
+
+    def free_all(self) -> None:
+        for ptr in self._allocs:
+            self.ctx.free(ptr)
+        self._allocs.clear()
+
+    def buffer(self, shape, dtype, data=None) -> Buf:
+        """Device memory for an array: `data`, or random values (bf16 bit patterns of a
+        normal, std 0.5: finite, also where a kernel reads them as f32)."""
+        dt = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        ptr = self.malloc(nbytes)
+        if data is not None:
+            self.upload(ptr, np.ascontiguousarray(np.asarray(data, dtype=dt).reshape(shape)))
+        else:
+            pool = self._random(FP8 if dt == FP8 else BF16)
+            for off in range(0, nbytes, pool.nbytes):
+                self.upload(ptr + off, pool[:min(pool.nbytes, nbytes - off)])
+        return Buf(ptr=ptr, shape=shape, dtype=dt)
+
+    def _random(self, dt: np.dtype) -> np.ndarray:
+        if dt not in self._pools:
+            rng = np.random.default_rng(0)
+            self._pools[dt] = (rng.standard_normal(1 << 22) * 0.5).astype(dt).view(np.uint8)
+        return self._pools[dt]
+
+    # -- kernels --------------------------------------------------------------------------
+    def compile(self, specs: list[KernelSpec]) -> None:
+        """Compile (or read from the cache) and load every kernel not loaded yet; one that
+        needs more shared memory than a block may have is kept as not fitting."""
+        todo: dict[str, KernelSpec] = {}
+        for s in specs:
+            k = cache_key(s, self.arch)
+            if k not in self._kernels:
+                todo.setdefault(k, s)
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        compiled = compile_specs([(s, self.arch) for s in todo.values()], workers=self.workers)
+        for k, c in zip(todo, compiled):
+            self._kernels[k] = self._load(c) if c.shared <= MAX_SHARED[self.arch] else None
+        self.progress(f"  {len(todo)} kernels compiled (or cached) in {time.perf_counter() - t0:.0f} s")
+
+    def _load(self, c: Compiled) -> Any:
+        return self.ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden)
+
+    def fits(self, spec: KernelSpec) -> bool:
+        return self._kernels[cache_key(spec, self.arch)] is not None
+
+    def _resolve(self, spec: KernelSpec, args) -> tuple:
+        kern = self._kernels[cache_key(spec, self.arch)]
+        vals, types = [], []
+        for ty, a in zip(spec.signature.values(), args):
+            ptr = ty.startswith("*")
+            vals.append((a if isinstance(a, int) else a.data_ptr()) if ptr else a)
+            types.append(ctypes.c_void_p if ptr else _CT[ty])
+        vals += [0] * kern.num_scratch
+        types += [ctypes.c_void_p] * kern.num_scratch
+        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        return kern, grid, (tuple(vals), tuple(types))
+
+    def time_us(self, timed: Timed, replays: int = 3) -> float:
+        """Microseconds per launch list: one warm-up replay of the graph, then `replays` timed."""
+        ctx, drv = self.ctx, self.ctx.drv
+        launches = [self._resolve(spec, args) for rep in timed.reps for spec, args in rep]
+        ctx.begin_capture()
+        for kern, g, params in launches:
+            err = drv.cuLaunchKernel(kern.function, *g, 32 * kern.num_warps, 1, 1, kern.shared, ctx.stream,
+                                     params, 0)
+            if err[0] != drv.CUresult.CUDA_SUCCESS:
+                drv.cuStreamEndCapture(ctx.stream)
+                raise RuntimeError(f"launching {kern.name} failed while capturing: {err[0]}")
+        graph = ctx.end_capture()
+        ctx.replay(graph)
+        start, end = ctx.event(), ctx.event()
+        ctx.record(start)
+        for _ in range(replays):
+            ctx.replay(graph)
+        ctx.record(end)
+        us = ctx.elapsed_ms(start, end) * 1000 / (replays * len(timed.reps))
+        drv.cuGraphExecDestroy(graph)
+        return us
+
+    # -- the sweep ----------------------------------------------------------------------
+    def best(self, trials: list[Trial]) -> dict[Hashable, Won]:
+        """Time every trial whose kernels fit and keep the fastest of each group. Baselines
+        run first; a trial whose outputs differ from its group's baseline's never wins."""
+        built = [(t, t.timed()) for t in sorted(trials, key=lambda t: not t.baseline)]
+        self.compile([s for _, ts in built for x in ts for s, _ in x.reps[0]])
+        won: dict[Hashable, Won] = {}
+        ref: dict[Hashable, tuple[list, float]] = {}
+        for trial, ts in built:
+            if not all(self.fits(s) for x in ts for s, _ in x.reps[0]):
+                continue
+            us, outs = 0.0, []
+            for x in ts:
+                if x.setup:
+                    x.setup()
+                us += x.weight * self.time_us(x)
+                outs.append(x.output() if x.output else None)
+            if trial.baseline:
+                ref[trial.group] = (outs, us)
+            elif trial.group in ref and outs != ref[trial.group][0]:
+                self.mismatches.append((trial.group, trial.cand))
+                self.progress(f"  BITS DIFFER from the default config: {trial.group} {trial.cand}")
+                continue
+            if trial.group not in won or us < won[trial.group].us:
+                won[trial.group] = Won(us, trial.cand)
+        for group, w in won.items():
+            w.baseline_us = ref[group][1] if group in ref else None
+        return won
+
+
+class DryBench(Bench):
+    """No GPU: the sweeps run as on one, and every candidate they would time is compiled into
+    the cubin cache (`build.py tune --compile-only`), so that a GPU run later spends its time
+    timing. Nothing is timed: best() keeps each group's first trial, so the GEMM tiles of
+    stage 2 are compiled for that trial's reduction only, not for the one a GPU would choose."""
+
+    def __init__(self, arch: str = "sm_90", progress: Callable[[str], None] = print,
+                 workers: int | None = None) -> None:
+        super().__init__(None, arch, progress, workers)
+        self._next = 1 << 36  # fake device addresses: launches are recorded, never run
+
+    def malloc(self, nbytes: int) -> int:
+        ptr, self._next = self._next, self._next + -(-nbytes // 256) * 256 + 256
+        return ptr
+
+    def upload(self, ptr: int, host: np.ndarray) -> None:
+        pass
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        pass
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        return b""
+
+    def free_all(self) -> None:
+        pass
+
+    def _load(self, c: Compiled) -> Any:
+        return c.name
+
+    def time_us(self, timed: Timed, replays: int = 3) -> float:
+        return math.nan  # not timed: never less than another time, so the first trial stays
+
+
+# -- GEMMs ------------------------------------------------------------------------------
 @dataclass
 class GemmProblem:
     n: int
@@ -65,10 +293,11 @@ def gemm_problems(graph: Graph, buckets: list[Bucket]) -> list[GemmProblem]:
     return probs
 
 
-# -- candidates ---------------------------------------------------------------------------
 def reductions(k: int) -> list[GemmReduction]:
+    """BLOCK_K x SPLIT_K where K divides evenly and every split has some of it."""
     splits = [1, 2] + ([4] if k >= 8192 else [])
-    return [GemmReduction(bk, s) for bk in (64, 128) if k % bk == 0 for s in splits]
+    return [GemmReduction(bk, s) for bk in (64, 128) if k % bk == 0 for s in splits
+            if (-(-k // bk) + s - 1) // s * bk * (s - 1) < k]
 
 
 def tiles(m: int, *, wide: bool) -> list[GemmTile]:
@@ -81,148 +310,72 @@ def tiles(m: int, *, wide: bool) -> list[GemmTile]:
             if not (bm == 64 and w == 8)]
 
 
-# -- timing -------------------------------------------------------------------------------
-class _Rig:
-    """Device buffers for one weight shape, and timed CUDA graphs of candidate launches."""
+class _GemmRig:
+    """Device buffers for one weight shape: x, `copies` of the weight (so that it streams
+    from HBM), bias, y, the split-K workspace, and a live-row count per M."""
 
-    def __init__(self, ctx, prob: GemmProblem, max_split: int) -> None:
-        self.ctx, self.p = ctx, prob
-        m_max = max(prob.ms)
-        wbytes = prob.n * prob.k * 2
-        self.copies = min(8, max(1, math.ceil(150e6 / wbytes)))
-        rng = np.random.default_rng(0)
-        pool = (rng.standard_normal(1 << 20) * 0.02).astype(np.float32).view(np.uint32) >> 16
-        pool = pool.astype(np.uint16)
+    def __init__(self, bench: Bench, prob: GemmProblem) -> None:
+        self.bench, self.p = bench, prob
+        m_max, n, k = max(prob.ms), prob.n, prob.k
+        self.copies = min(8, max(1, math.ceil(150e6 / (n * k * 2))))
+        self.x = bench.buffer((m_max, k), BF16)
+        self.w = [bench.buffer((n, k), BF16) for _ in range(self.copies)]
+        self.bias = bench.buffer((n,), BF16) if prob.has_bias else None
+        self.out_dtype = np.dtype(np.float32) if prob.out_dtype == "f32" else BF16
+        self.y = bench.malloc(m_max * n * self.out_dtype.itemsize)
+        self.ws = bench.malloc(max(r.split_k for r in reductions(k)) * m_max * n * 4)
+        self.n_rows: dict[int, Buf] = {}
 
-        def filled(nbytes: int) -> int:
-            ptr = ctx.malloc(nbytes)
-            host = np.resize(pool, nbytes // 2)
-            ctx.upload(ptr, host)
-            return ptr
-        self.x = filled(m_max * prob.k * 2)
-        self.w = [filled(wbytes) for _ in range(self.copies)]
-        self.bias = filled(prob.n * 2)
-        out_item = 4 if prob.out_dtype == "f32" else 2
-        self.y = ctx.malloc(m_max * prob.n * out_item)
-        self.ws = ctx.malloc(max_split * m_max * prob.n * 4)
-        self.n_rows = ctx.malloc(4)
-        self.allocs = [self.x, *self.w, self.bias, self.y, self.ws, self.n_rows]
-
-    def launches(self, m: int, specs, kernels, rep: int) -> list:
-        self.ctx.upload(self.n_rows, np.array([m], np.int32))
+    def timed(self, m: int, tile: GemmTile, red: GemmReduction) -> Timed:
         p = self.p
-        w = self.w[rep % self.copies]
-        args = [[self.x, w, self.bias, self.y, self.ws, self.n_rows, m, p.k, p.n],
-                [self.ws, self.bias, self.y, self.n_rows, m, p.n]]
-        out = []
-        for spec, kern, a in zip(specs, kernels, args):
-            vals, types = [], []
-            for ty, v in zip(spec.signature.values(), a):
-                vals.append(v)
-                types.append(ctypes.c_void_p if ty.startswith("*") else _CT[ty])
-            vals += [0] * kern.num_scratch
-            types += [ctypes.c_void_p] * kern.num_scratch
-            g = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-            out.append((kern, g, (tuple(vals), tuple(types))))
-        return out
-
-    def time_us(self, m: int, specs, kernels, reps: int = 24) -> float:
-        ctx, drv = self.ctx, self.ctx.drv
-        seq = [self.launches(m, specs, kernels, r) for r in range(reps)]
-        ctx.begin_capture()
-        for launches in seq:
-            for kern, g, params in launches:
-                drv.cuLaunchKernel(kern.function, *g, 32 * kern.num_warps, 1, 1, kern.shared, ctx.stream, params, 0)
-        graph = ctx.end_capture()
-        ctx.replay(graph)  # warm-up
-        start, end = ctx.event(), ctx.event()
-        ctx.record(start)
-        for _ in range(3):
-            ctx.replay(graph)
-        ctx.record(end)
-        us = ctx.elapsed_ms(start, end) * 1000 / (3 * reps)
-        drv.cuGraphExecDestroy(graph)
-        return us
-
-    def close(self) -> None:
-        for ptr in self.allocs:
-            self.ctx.free(ptr)
+        if m not in self.n_rows:
+            self.n_rows[m] = self.bench.buffer((1,), np.int32, [m])
+        x = Buf(ptr=self.x.ptr, shape=(m, p.k), dtype=BF16)
+        y = Buf(ptr=self.y, shape=(m, p.n), dtype=self.out_dtype)
+        ws = Buf(ptr=self.ws, shape=(red.split_k, m, p.n), dtype=np.float32) if red.split_k > 1 else None
+        return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
+                             workspace=ws, tile=tile, red=red, arch=self.bench.arch) for r in range(REPS)])
 
 
-# -- the sweep ----------------------------------------------------------------------------
 class GemmTuner:
-    def __init__(self, ctx, arch: str = "sm_90", progress: Callable[[str], None] = print,
-                 workers: int | None = None) -> None:
-        self.ctx, self.arch, self.progress, self.workers = ctx, arch, progress, workers
-        self._kernels: dict[str, object] = {}  # cache key -> loaded kernel
-
-    def _specs(self, prob: GemmProblem, m: int, tile: GemmTile, red: GemmReduction):
-        return k_gemm.gemm_specs(m, prob.n, prob.k, out_dtype={"f32": "float32"}.get(prob.out_dtype, "bfloat16"),
-                                 has_bias=prob.has_bias, tile=tile, red=red)
-
-    def _compile(self, jobs: list) -> list:
-        """jobs: [(prob, m, tile, red)] -> [(specs, kernels) or None when it does not fit]."""
-        per_job = [self._specs(*j) for j in jobs]
-        unique = {cache_key(s, self.arch): s for specs in per_job for s in specs}
-        t0 = time.perf_counter()
-        compiled = dict(zip(unique, compile_specs([(s, self.arch) for s in unique.values()], workers=self.workers)))
-        self.progress(f"  {len(unique)} kernels compiled (or cached) in {time.perf_counter() - t0:.0f} s")
-        out = []
-        for specs in per_job:
-            keys = [cache_key(s, self.arch) for s in specs]
-            if any(compiled[k].shared > MAX_SHARED[self.arch] for k in keys):
-                out.append(None)  # does not fit in shared memory
-                continue
-            for k in keys:
-                if k not in self._kernels:
-                    c = compiled[k]
-                    self._kernels[k] = self.ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden)
-            out.append((specs, [self._kernels[k] for k in keys]))
-        return out
+    def __init__(self, bench: Bench) -> None:
+        self.bench, self.arch, self.progress = bench, bench.arch, bench.progress
 
     def tune(self, problems: list[GemmProblem]) -> Schedules:
         sched = Schedules(self.arch)
-        reds: dict[tuple, GemmReduction] = {}
-        rigs = {}
+        rigs: dict[tuple, _GemmRig] = {}
+
+        def rig(p: GemmProblem) -> _GemmRig:
+            if (p.n, p.k) not in rigs:
+                rigs[(p.n, p.k)] = _GemmRig(self.bench, p)
+            return rigs[(p.n, p.k)]
+
         # 1. per weight, at its smallest M: reduction knobs and tile together
-        jobs = [(p, p.ms[0], t, r) for p in problems for r in reductions(p.k) for t in tiles(p.ms[0], wide=False)]
-        self.progress(f"stage 1: {len(jobs)} reduction x tile candidates at the smallest M of {len(problems)} weights")
-        built = self._compile(jobs)
-        best: dict[tuple, tuple] = {}
-        for (p, m, t, r), b in zip(jobs, built):
-            if b is None:
-                continue
-            key = (p.n, p.k)
-            if key not in rigs:
-                rigs[key] = _Rig(self.ctx, p, max_split=4)
-            us = rigs[key].time_us(m, *b)
-            if key not in best or us < best[key][0]:
-                best[key] = (us, t, r)
+        trials = [Trial((p.n, p.k), (t, r), lambda p=p, t=t, r=r: [rig(p).timed(p.ms[0], t, r)])
+                  for p in problems for r in reductions(p.k) for t in tiles(p.ms[0], wide=False)]
+        self.progress(f"stage 1: {len(trials)} reduction x tile candidates at the smallest M of "
+                      f"{len(problems)} weights")
+        won = self.bench.best(trials)
+        reds: dict[tuple, GemmReduction] = {}
         for p in problems:
-            us, t, r = best[(p.n, p.k)]
-            reds[(p.n, p.k)] = r
+            w = won[(p.n, p.k)]
+            r = reds[(p.n, p.k)] = w.cand[1]
             sched.entries.setdefault("gemm_reduction", []).append(
-                {"n": p.n, "k": p.k, "block_k": r.block_k, "split_k": r.split_k, "us": round(us, 2)})
+                {"n": p.n, "k": p.k, "block_k": r.block_k, "split_k": r.split_k, "us": round(w.us, 2)})
             default = DEFAULT.gemm_tile(p.ms[0], p.n, p.k, self.arch)
             self.progress(f"  [{p.n}, {p.k}] M={p.ms[0]}: block_k {r.block_k}, split_k {r.split_k}, "
-                          f"{us:.1f} us ({p.n * p.k * 2 / us / 1e6:.2f} TB/s of weight); default tile {default}")
+                          f"{w.us:.1f} us ({p.n * p.k * 2 / w.us / 1e6:.2f} TB/s of weight); default tile {default}")
         # 2. per weight and M: the tile, under the chosen reduction
-        jobs = [(p, m, t, reds[(p.n, p.k)]) for p in problems for m in p.ms for t in tiles(m, wide=True)]
-        self.progress(f"stage 2: {len(jobs)} tile candidates over {sum(len(p.ms) for p in problems)} (weight, M) pairs")
-        built = self._compile(jobs)
-        won: dict[tuple, tuple] = {}
-        for (p, m, t, r), b in zip(jobs, built):
-            if b is None:
-                continue
-            us = rigs[(p.n, p.k)].time_us(m, *b)
-            key = (p.n, p.k, m)
-            if key not in won or us < won[key][0]:
-                won[key] = (us, t)
-        for (n, k, m), (us, t) in sorted(won.items()):
+        trials = [Trial((p.n, p.k, m), t, lambda p=p, m=m, t=t: [rig(p).timed(m, t, reds[(p.n, p.k)])])
+                  for p in problems for m in p.ms for t in tiles(m, wide=True)]
+        self.progress(f"stage 2: {len(trials)} tile candidates over {sum(len(p.ms) for p in problems)} "
+                      f"(weight, M) pairs")
+        for (n, k, m), w in sorted(self.bench.best(trials).items()):
+            t = w.cand
             sched.entries.setdefault("gemm_tile", []).append(
                 {"m": m, "n": n, "k": k, "block_m": t.block_m, "block_n": t.block_n, "num_warps": t.num_warps,
-                 "num_stages": t.num_stages, "us": round(us, 2)})
-            self.progress(f"  [{n}, {k}] M={m}: {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} {us:.1f} us")
-        for rig in rigs.values():
-            rig.close()
+                 "num_stages": t.num_stages, "us": round(w.us, 2)})
+            self.progress(f"  [{n}, {k}] M={m}: {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} "
+                          f"{w.us:.1f} us")
+        self.bench.free_all()
         return sched

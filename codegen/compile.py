@@ -22,6 +22,14 @@ from kiln.runtime.bundle import Bundle, BundleError
 TARGETS = {"sm_90": "sm_90", "sm_121": "sm_121"}
 
 
+def plan_dims(buckets: list[Bucket], mb: int) -> dict[str, int]:
+    """The dims the activation arena is planned for: every bucket's largest (one plan serves all)."""
+    dims = {"T": max(b.tokens for b in buckets), "S": max(b.seqs for b in buckets),
+            "L": max(b.logits for b in buckets), "MB": mb}
+    dims["S1"] = dims["S"] + 1
+    return dims
+
+
 def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], config_hash: str,
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
@@ -31,11 +39,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     t0 = time.perf_counter()
     buckets = buckets or make_buckets(max_num_seqs, max_num_batched_tokens)
     mb = -(-max_model_len // block_size)
-    biggest = max(buckets, key=lambda b: (b.tokens, b.seqs))
-    dims = {"T": max(b.tokens for b in buckets), "S": max(b.seqs for b in buckets),
-            "L": max(b.logits for b in buckets), "MB": mb}
-    dims["S1"] = dims["S"] + 1
-    plan = plan_memory(graph, dims)
+    plan = plan_memory(graph, plan_dims(buckets, mb))
     regions = Regions()
     regions.need("arena", plan.arena_bytes)
     recorded = {}

@@ -39,6 +39,12 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_len
 SPLIT_KV_MAX_SEQS = 64
 
 
+def split_kv(bucket: Bucket) -> bool:
+    """Split-KV where a decode step has too few (sequence, KV head) programs to fill the GPU;
+    split and unsplit give the same bits, so the choice is free per bucket."""
+    return bucket.decode and bucket.seqs <= SPLIT_KV_MAX_SEQS
+
+
 class LoweringError(ValueError):
     pass
 
@@ -249,9 +255,7 @@ class _Lowerer:
         q, cache, bt, sl, qsl = node.inputs
         out = self.buf(node.outputs[0])
         t, h, d = out.shape
-        # split-KV where a decode step has too few (sequence, KV head) programs to fill the GPU;
-        # split and unsplit give the same bits, so the choice is free per bucket
-        split = self.bucket.decode and self.bucket.seqs <= SPLIT_KV_MAX_SEQS
+        split = split_kv(self.bucket)
         ws = None
         if split:
             cfg = self.configs.attention(h, self.g.tensors[cache].shape[3], d, self.max_model_len)

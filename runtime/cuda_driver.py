@@ -104,6 +104,10 @@ class CudaContext:
         self.synchronize()
         return out
 
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Device to device, on the stream."""
+        _check(self.drv.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
+
     def memset(self, ptr: int, nbytes: int) -> None:
         _check(self.drv.cuMemsetD8Async(ptr, 0, nbytes, self.stream), "cuMemsetD8Async")
 

@@ -6,12 +6,24 @@
       - {n: 6144, k: 4096, block_k: 128, split_k: 2, us: 9.8}
       gemm_tile:                       # per (M bucket, N, K): how output tiles are cut
       - {m: 1, n: 6144, k: 4096, block_m: 16, block_n: 32, num_warps: 4, num_stages: 5, us: 9.8}
+    schedules/sm_90/attention.yaml
+      paged_attention:                 # per head shape: schedule knobs only (tile, seg stay the defaults)
+      - {h: 32, hkv: 8, d: 128, block_q: 4, num_warps: 2, num_stages: 3, prefill_block_q: 16,
+         prefill_num_warps: 4, prefill_num_stages: 2, us: 420.0, prefill_us: 180.0}
+    schedules/sm_90/rows.yaml
+      rms_norm:                        # per row width; the op names are Configs.row/elementwise's
+      - {width: 4096, num_warps: 8, us: 30.1}
+      silu_mul:
+      - {width: 14336, block: 2048, num_warps: 4, us: 25.0}
 
-`build.py tune` writes them (codegen/autotune.py); `Schedules.lookup` is the hook
+`build.py tune` writes them (codegen/autotune*.py); `Schedules.lookup` is the hook
 codegen/triton/configs.Configs takes. A GEMM tile entry tuned for M serves every
 bucket up to M (the smallest tuned M that holds the bucket; past the largest, the
-largest). Entries written by another compiler version are ignored: a schedule is
-a measurement of one compiler's code. This package imports nothing of kiln.
+largest). An attention entry serves every max_model_len of its head shape (it holds no
+reduction knob; the default's seg follows max_model_len). Every YAML file of the arch
+folder is read, whatever its name; `write(family)` rewrites one family's file only.
+Entries written by another compiler version are ignored: a schedule is a measurement
+of one compiler's code. This package imports nothing of kiln.
 """
 from __future__ import annotations
 
@@ -28,9 +40,19 @@ ROOT = Path(__file__).resolve().parent
 
 class ScheduleError(ValueError):
     """A schedules file that cannot be used as it stands (bad YAML, unknown fields)."""
-# the fields of an entry that form its key (the rest is the config, plus `us`, the timing)
-KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k")}
-NOT_CONFIG = {"m", "n", "k", "us"}
+# the fields of an entry that form its key (the rest is the config, plus the timings);
+# ops not named here (row and elementwise kernels) are keyed by their row width
+KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d")}
+ROW_KEY = ("width",)
+TIMINGS = {"us", "prefill_us"}
+NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "width"} | TIMINGS
+# op -> the file (family) its entries are written to; other ops: "rows"
+FAMILY = {"gemm_reduction": "gemm", "gemm_tile": "gemm", "paged_attention": "attention"}
+FAMILIES = ("gemm", "attention", "rows")
+
+
+def family(op: str) -> str:
+    return FAMILY.get(op, "rows")
 
 
 def compiler_version() -> str:
@@ -71,11 +93,15 @@ class Schedules:
         return cls(arch, entries, here)
 
     def write(self, name: str, root: Path | None = None) -> Path:
+        """root/arch/<name>.yaml with the entries of family `name` (gemm, attention, rows) only:
+        the other families keep their own files, tuned when they were."""
+        if name not in FAMILIES:
+            raise ValueError(f"unknown schedules family {name!r} (known: {', '.join(FAMILIES)})")
         path = (Path(root) if root is not None else ROOT) / self.arch / f"{name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         doc: dict[str, Any] = {"compiler": self.compiler}
-        for op in sorted(self.entries):
-            doc[op] = sorted(self.entries[op], key=lambda e: tuple(e.get(k, 0) for k in ("n", "k", "m")))
+        for op in sorted(op for op in self.entries if family(op) == name):
+            doc[op] = sorted(self.entries[op], key=lambda e: tuple(e.get(k, 0) for k in _ORDER))
         header = "# written by `build.py tune` (codegen/autotune.py); timed on the GPU under CUDA graphs\n"
         path.write_text(header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=140))
         return path
@@ -91,7 +117,7 @@ class Schedules:
 
     @staticmethod
     def _key(op: str, e: Mapping) -> tuple:
-        return tuple(e.get(k) for k in KEYS.get(op, ()) + (("m",) if "m" in e else ()))
+        return tuple(e.get(k) for k in KEYS.get(op, ROW_KEY) + (("m",) if "m" in e else ()))
 
     def digest(self) -> str:
         """What a bundle compiled with these schedules records, to notice a retune."""
@@ -117,7 +143,13 @@ class Schedules:
                 return None
             up = [e for e in hit if e["m"] >= m]
             return _config(up[0] if up else hit[-1])
-        return None
+        # paged_attention: (h, hkv, d, max_model_len) -> its (h, hkv, d) entry; rows: (width,)
+        fields = KEYS.get(op, ROW_KEY)
+        hit = [e for e in items if tuple(e.get(f) for f in fields) == tuple(key[:len(fields)])]
+        return _config(hit[0]) if hit else None
+
+
+_ORDER = ("h", "hkv", "d", "width", "n", "k", "m")  # how a file lists an op's entries
 
 
 def _config(e: Mapping) -> dict:

@@ -63,6 +63,12 @@ class AttentionConfig:
     prefill_num_stages: int = 2
 
 
+# AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these
+# and nothing else: tile and seg are its reduction knobs)
+ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages")
+ATTENTION_PREFILL_KNOBS = ("prefill_block_q", "prefill_num_warps", "prefill_num_stages")
+
+
 @dataclass(frozen=True)
 class RowConfig:
     """Row-wise kernels (norms, preamble): one program per row; fixed per row width."""

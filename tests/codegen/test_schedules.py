@@ -10,7 +10,7 @@ import yaml
 from kiln.codegen.autotune import TUNED_MS, gemm_problems, reductions, tiles
 from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.compile import compile_bundle
-from kiln.codegen.triton.configs import DEFAULT, Configs, GemmTile
+from kiln.codegen.triton.configs import DEFAULT, Configs, ElementwiseConfig, GemmTile
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -145,3 +145,113 @@ def test_a_broken_schedules_file_is_one_clear_error(tmp_path, monkeypatch):
                                    "gemm_reduction": [{"n": n, "k": k, "block_k": 32, "splitk": 2}]}))
     with pytest.raises(ConfigError, match="unknown fields.*splitk"):
         compile_model(Source(), graph, **kw)
+
+
+ATTN = {"h": 32, "hkv": 8, "d": 128, "block_q": 8, "num_warps": 4, "num_stages": 3, "prefill_block_q": 32,
+        "prefill_num_warps": 8, "prefill_num_stages": 3, "us": 410.5, "prefill_us": 170.25}
+
+
+def _families():
+    return Schedules("sm_90", {**_sched().entries, "paged_attention": [dict(ATTN)],
+                               "rms_norm": [{"width": 4096, "num_warps": 16, "us": 30.0}],
+                               "silu_mul": [{"width": 14336, "block": 2048, "num_warps": 8, "us": 20.0}]})
+
+
+def test_each_family_has_its_file_and_all_of_them_are_read(tmp_path):
+    s = _families()
+    for fam in ("gemm", "attention", "rows"):
+        s.write(fam, tmp_path)
+    ops = {f.stem: set(yaml.safe_load(f.read_text())) - {"compiler"} for f in (tmp_path / "sm_90").iterdir()}
+    assert ops == {"gemm": {"gemm_reduction", "gemm_tile"}, "attention": {"paged_attention"},
+                   "rows": {"rms_norm", "silu_mul"}}
+    back = Schedules.read("sm_90", tmp_path)
+    assert back.entries == s.entries and back.digest() == s.digest()
+    # an attention entry serves its head shape at any max_model_len, and holds schedule knobs only
+    want = {k: v for k, v in ATTN.items() if k not in ("h", "hkv", "d", "us", "prefill_us")}
+    assert back.lookup("paged_attention", (32, 8, 128, 4096)) == want
+    assert back.lookup("paged_attention", (32, 8, 128, 131072)) == want
+    assert back.lookup("paged_attention", (32, 4, 128, 4096)) is None
+    assert back.lookup("rms_norm", (4096,)) == {"num_warps": 16}
+    assert back.lookup("rms_norm", (2048,)) is None
+    assert back.lookup("silu_mul", (14336,)) == {"block": 2048, "num_warps": 8}
+    assert back.lookup("gather_rows", (4096,)) is None
+    with pytest.raises(ValueError, match="unknown schedules family"):
+        s.write("norms", tmp_path)
+
+
+def test_a_retuned_family_changes_the_digest_and_leaves_the_others_alone(tmp_path):
+    s = _families()
+    for fam in ("gemm", "attention", "rows"):
+        s.write(fam, tmp_path)
+    before = {f.name: f.read_text() for f in (tmp_path / "sm_90").iterdir()}
+    back = Schedules.read("sm_90", tmp_path)
+    back.merge(Schedules("sm_90", {"rms_norm": [{"width": 4096, "num_warps": 8, "us": 29.0}]}))
+    back.merge(Schedules("sm_90", {"rms_norm": [{"width": 2048, "num_warps": 4, "us": 9.0}]}))
+    assert sorted(e["width"] for e in back.entries["rms_norm"]) == [2048, 4096]  # keyed by width
+    back.write("rows", tmp_path)
+    after = {f.name: f.read_text() for f in (tmp_path / "sm_90").iterdir()}
+    assert after["gemm.yaml"] == before["gemm.yaml"] and after["attention.yaml"] == before["attention.yaml"]
+    assert after["rows.yaml"] != before["rows.yaml"]
+    again = Schedules.read("sm_90", tmp_path)
+    assert again.lookup("rms_norm", (4096,)) == {"num_warps": 8}
+    assert again.digest() != s.digest()
+
+
+def test_configs_take_tuned_attention_and_row_entries_and_list_the_rest(caplog):
+    configs = Configs(lookup=_families().lookup)
+    with caplog.at_level(logging.INFO, logger="kiln.codegen.triton.configs"):
+        att = configs.attention(32, 8, 128, 131072)
+        assert (att.block_q, att.num_warps, att.num_stages) == (8, 4, 3)
+        assert (att.prefill_block_q, att.prefill_num_warps, att.prefill_num_stages) == (32, 8, 3)
+        default = DEFAULT.attention(32, 8, 128, 131072)
+        assert (att.tile, att.seg) == (default.tile, default.seg)  # reduction knobs: the default's
+        assert configs.attention(32, 8, 128, 128).seg == DEFAULT.attention(32, 8, 128, 128).seg
+        assert configs.row("rms_norm", 4096).num_warps == 16
+        assert configs.elementwise("silu_mul", 14336) == ElementwiseConfig(block=2048, num_warps=8)
+        assert configs.attention(16, 8, 128, 4096) == DEFAULT.attention(16, 8, 128, 4096)
+        assert configs.row("attention_preamble", 4096) == DEFAULT.row("attention_preamble", 4096)
+        assert configs.elementwise("gather_rows", 4096) == ElementwiseConfig()
+    assert configs.fallbacks == [("paged_attention", (16, 8, 128, 4096)), ("attention_preamble", (4096,)),
+                                 ("gather_rows", (4096,))]
+    assert "no tuned schedule for gather_rows (4096,)" in caplog.text
+    assert "no tuned schedule for rms_norm" not in caplog.text
+
+
+def test_compile_uses_tuned_attention_and_row_entries(tmp_path):
+    """A schedules folder with attention and row entries: the bundle's kernels carry their knobs."""
+    from kiln.codegen.triton.paged_attention_launch import attention_block_q
+
+    cfg, graph = _tiny_graph()
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    tuned = Schedules("sm_90", {
+        "paged_attention": [{"h": h, "hkv": hkv, "d": d, "block_q": 16, "num_warps": 8, "num_stages": 3,
+                             "prefill_block_q": 32, "prefill_num_warps": 2, "prefill_num_stages": 3}],
+        "rms_norm": [{"width": hidden, "num_warps": 2}],
+        "silu_mul": [{"width": inter, "block": inter // 2, "num_warps": 2}]})
+    tuned.write("attention", tmp_path)
+    tuned.write("rows", tmp_path)
+    sched = Schedules.read("sm_90", tmp_path)
+    configs = Configs(lookup=sched.lookup)
+    buckets = [Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]
+    bundle = compile_bundle(graph, target="sm_90", model_config={}, config_hash="x", max_model_len=128,
+                            max_num_seqs=4, max_num_batched_tokens=64, block_size=16, buckets=buckets,
+                            configs=configs)
+    meta = bundle.manifest["kernels"]
+
+    def launches(plan: str, kernel: str):
+        return [(meta[key], grid) for key, grid, _ in bundle.manifest["plans"][plan]["launches"]
+                if meta[key]["name"] == kernel]
+    dec, pre = launches("d4x4", "paged_attention_kernel"), launches("m64x4", "paged_attention_kernel")
+    assert dec and {m["num_warps"] for m, _ in dec} == {8}
+    assert pre and {m["num_warps"] for m, _ in pre} == {2}
+    tuned = configs.attention(h, hkv, d, 128)
+    bq = attention_block_q(h, hkv, tuned)  # prefill programs: (T + S (2 BLOCK_Q - 2)) // BLOCK_Q
+    assert {g[0] for _, g in pre} == {(64 + 4 * (2 * bq - 2)) // bq} != {(64 + 4 * 30) // 16}
+    assert {g[2] for _, g in dec} == {-(-128 // DEFAULT.attention(h, hkv, d, 128).seg)}  # seg: the default's
+    assert {m["num_warps"] for m, _ in launches("m64x4", "rms_norm_kernel")} == {2}
+    silu = launches("m64x4", "silu_mul_kernel")
+    assert {m["num_warps"] for m, _ in silu} == {2} and {g[1] for _, g in silu} == {2}
+    fell_back = {op for op, _ in configs.fallbacks}
+    assert not fell_back & {"paged_attention", "rms_norm", "silu_mul"}
+    assert {"attention_preamble", "gather_rows"} <= fell_back

@@ -1,0 +1,232 @@
+"""Paged attention on the GPU across schedules: the cases, their device buffers, the sweep.
+
+`build.py tune` (AttentionTuner) and bench/attn_sweep.py share this. An AttentionRig
+holds one case's device buffers and records the wrapper's launches for a config; a
+Bench (autotune.py) compiles them through the AOT path and times them under a CUDA graph.
+
+What the tuner sweeps: the schedule knobs only, configs.ATTENTION_DECODE_KNOBS for
+decode buckets and ATTENTION_PREFILL_KNOBS for prefill and mixed ones. tile and seg, the
+reduction knobs, keep the default's values (seg follows max_model_len). Rows per program,
+warps and stages only group rows (paged_attention.py), so every candidate must give the
+default's bits; Bench.best checks that it does. Decode is timed at the bundle's largest
+decode bucket with 1,500 keys per sequence plus batch 1 at 512 keys, each split or not as
+the bundle's plan is (lower.split_kv), and their sum chooses; prefill at one prompt of
+2,048 tokens (or max_num_batched_tokens) in the mixed bucket that holds it. One entry per
+head shape (h, hkv, d), whatever max_model_len.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import ml_dtypes
+import numpy as np
+
+from kiln.codegen.autotune import BF16, REPS, Bench, Timed, Trial, record
+from kiln.codegen.buckets import Bucket, pick_bucket
+from kiln.codegen.lower import split_kv
+from kiln.codegen.triton import paged_attention_launch as k_attn
+from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, AttentionConfig
+from kiln.codegen.triton.launch import Buf, cdiv
+from kiln.graph import Graph, to_numpy
+from kiln.schedules import Schedules
+
+L2_FLUSH = 150e6  # bytes of distinct K/V between two reads of the same block (the H200's L2: 50 MB)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    h: int
+    hkv: int
+    d: int
+    block_size: int
+    max_model_len: int
+    window: int = 0
+    cache_dtype: str = "bfloat16"  # the KV cache's (numpy name): bfloat16, or float8_e4m3fn (--kv-cache-dtype fp8)
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    lens: tuple[int, ...]  # keys of each live sequence, this step's included
+    counts: tuple[int, ...]  # its queries in this step
+    tokens: int  # the bucket's T; tokens past the live ones are padding
+    seqs: int  # the bucket's S; sequences past the live ones are empty
+    decode: bool
+    split: bool
+
+
+def decode_case(seqs: int, keys: int, split: bool | None = None) -> AttentionCase:
+    split = split_kv(Bucket(seqs, seqs, seqs, True)) if split is None else split
+    return AttentionCase(f"decode{seqs}@{keys}", (keys,) * seqs, (1,) * seqs, seqs, seqs, True, split)
+
+
+def prefill_case(n: int, bucket: Bucket | None = None) -> AttentionCase:
+    t, s = (bucket.tokens, bucket.seqs) if bucket is not None else (n, 1)
+    return AttentionCase(f"prefill{n}", (n,), (n,), t, s, False, False)
+
+
+def parse_case(name: str, split: bool | None = None) -> AttentionCase:
+    """decode256@1500 (256 sequences at 1,500 keys; @1500 is the default), decode1@512, prefill2048."""
+    if name.startswith("decode"):
+        seqs, _, keys = name[len("decode"):].partition("@")
+        return decode_case(int(seqs), int(keys or 1500), split)
+    if name.startswith("prefill"):
+        return prefill_case(int(name[len("prefill"):]))
+    raise ValueError(f"unknown attention case {name!r} (decode<S>[@<keys>] or prefill<N>)")
+
+
+def attention_cases(buckets: list[Bucket], max_model_len: int, *, keys: tuple[int, int] = (1500, 512),
+                    prompt: int = 2048) -> tuple[list[AttentionCase], AttentionCase]:
+    """-> (decode cases, prefill case) of a bundle: its largest decode bucket at keys[0] keys per
+    sequence, batch 1 at keys[1], and a prompt of `prompt` tokens (at most the largest mixed
+    bucket) in the mixed bucket that holds it."""
+    top = max(b.seqs for b in buckets if b.decode)
+    decode = [decode_case(top, min(keys[0], max_model_len))]
+    if top > 1:
+        decode.append(decode_case(1, min(keys[1], max_model_len)))
+    mixed = [b for b in buckets if not b.decode]
+    n = min(prompt, max(b.tokens for b in mixed), max_model_len)
+    return decode, prefill_case(n, pick_bucket(mixed, n, 1, 1))
+
+
+def attention_shapes(graph: Graph, block_size: int, max_model_len: int) -> list[AttentionShape]:
+    """One shape per distinct (h, hkv, d) of the graph's paged_attention nodes."""
+    found: dict[tuple, AttentionShape] = {}
+    for node in graph.topo_order():
+        if node.op == "paged_attention":
+            _, h, d = graph.tensors[node.outputs[0]].shape
+            cache = graph.tensors[node.inputs[1]]
+            found.setdefault((h, cache.shape[3], d), AttentionShape(
+                h, cache.shape[3], d, block_size, max_model_len, node.attrs.get("sliding_window", 0),
+                to_numpy(cache.dtype).name))
+    return list(found.values())
+
+
+class AttentionRig:
+    """Device buffers of one case: q and out [T, H, D], a paged KV cache, block tables,
+    lengths, query offsets, positions and the split-KV workspaces. The live sequences'
+    blocks are scattered over the cache, in `copies` disjoint sets the launches take in
+    turn, so that K/V that would fit in L2 (batch 1 at 512 keys: 2 MB) still comes from
+    HBM, as in a step, where every layer's weights went through L2 since the last read."""
+
+    def __init__(self, bench: Bench, shape: AttentionShape, case: AttentionCase, seed: int = 0) -> None:
+        self.bench, self.shape, self.case = bench, shape, case
+        sh, bs = shape, shape.block_size
+        mb = cdiv(sh.max_model_len, bs)
+        need = sum(cdiv(n, bs) for n in case.lens)
+        cache_dt = np.dtype(getattr(ml_dtypes, sh.cache_dtype, sh.cache_dtype))  # ml_dtypes names bf16 and fp8
+        self.kv_bytes = sum(case.lens) * sh.hkv * sh.d * 2 * cache_dt.itemsize
+        self.copies = max(1, min(64, math.ceil(L2_FLUSH / (need * bs * sh.hkv * sh.d * 2 * cache_dt.itemsize))))
+        self.reps = max(REPS, self.copies)
+        nb = need * self.copies + 1
+        self.cache = bench.buffer((nb, 2, bs, sh.hkv, sh.d), cache_dt)
+        perm = np.random.default_rng(seed).permutation(nb - 1) + 1  # block 0: where padded rows point
+        self.block_tables = []
+        for c in range(self.copies):
+            table, at = np.zeros((case.seqs, mb), np.int32), c * need
+            for i, n in enumerate(case.lens):
+                table[i, :cdiv(n, bs)] = perm[at:at + cdiv(n, bs)]
+                at += cdiv(n, bs)
+            self.block_tables.append(bench.buffer(table.shape, np.int32, table))
+        live = sum(case.counts)
+        lens = np.zeros(case.seqs, np.int32)
+        lens[:len(case.lens)] = case.lens
+        qsl = np.full(case.seqs + 1, live, np.int32)
+        qsl[:len(case.counts) + 1] = np.concatenate([[0], np.cumsum(case.counts)])
+        pos = np.zeros(case.tokens, np.int32)
+        pos[:live] = np.concatenate([np.arange(n - c, n) for n, c in zip(case.lens, case.counts)])
+        self.seq_lens = bench.buffer(lens.shape, np.int32, lens)
+        self.qsl = bench.buffer(qsl.shape, np.int32, qsl)
+        self.positions = bench.buffer(pos.shape, np.int32, pos)
+        self.q = bench.buffer((case.tokens, sh.h, sh.d), BF16)
+        self.out = bench.buffer((case.tokens, sh.h, sh.d), BF16)
+        self._ws: dict[int, tuple[Buf, Buf]] = {}
+
+    def workspace(self, seg: int) -> tuple[Buf, Buf] | None:
+        if not self.case.split:
+            return None
+        if seg not in self._ws:
+            t, segs, h, d = self.case.tokens, cdiv(self.shape.max_model_len, seg), self.shape.h, self.shape.d
+            self._ws[seg] = (Buf(ptr=self.bench.malloc(t * segs * h * d * 4), shape=(t, segs, h, d), dtype=np.float32),
+                             Buf(ptr=self.bench.malloc(t * segs * h * 2 * 4), shape=(t, segs, h, 2), dtype=np.float32))
+        return self._ws[seg]
+
+    def timed(self, cfg: AttentionConfig) -> Timed:
+        sh, case = self.shape, self.case
+        reps = [record(k_attn.paged_attention, self.q, self.cache, self.block_tables[r % self.copies], self.seq_lens,
+                       self.qsl, self.out, scale=sh.d ** -0.5, sliding_window=sh.window, split=case.split,
+                       max_model_len=sh.max_model_len, positions=self.positions, workspace=self.workspace(cfg.seg),
+                       config=cfg, decode=case.decode) for r in range(self.reps)]
+        return Timed(reps, output=self.output)
+
+    def output(self) -> bytes:
+        return self.bench.read(self.out.ptr, self.case.tokens * self.shape.h * self.shape.d * 2)
+
+
+# -- candidates ---------------------------------------------------------------------------
+def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
+    """The default first, then rows per program (the fewest query positions that fill tl.dot's
+    16 rows, and twice that) x warps x stages; each schedule the kernel would see once."""
+    bq0 = k_attn.attention_block_q(shape.h, shape.hkv, replace(default, block_q=1), decode=True)
+    grid = [replace(default, block_q=bq, num_warps=w, num_stages=s)
+            for bq in (bq0, 2 * bq0) for w in (2, 4) for s in (2, 3, 4)]
+    return _distinct(shape, [default] + grid, decode=True)
+
+
+def prefill_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
+    grid = [replace(default, prefill_block_q=bq, prefill_num_warps=w, prefill_num_stages=s)
+            for bq in (8, 16, 32) for w in (4, 8) for s in (2, 3)]
+    return _distinct(shape, [default] + grid, decode=False)
+
+
+def _distinct(shape: AttentionShape, cands: list[AttentionConfig], decode: bool) -> list[AttentionConfig]:
+    seen, out = set(), []
+    for c in cands:
+        knobs = ATTENTION_DECODE_KNOBS if decode else ATTENTION_PREFILL_KNOBS
+        key = (k_attn.attention_block_q(shape.h, shape.hkv, c, decode),) + tuple(getattr(c, k) for k in knobs[1:])
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# -- the sweep ----------------------------------------------------------------------------
+class AttentionTuner:
+    def __init__(self, bench: Bench) -> None:
+        self.bench, self.progress = bench, bench.progress
+
+    def tune(self, shapes: list[AttentionShape], decode: list[AttentionCase], prefill: AttentionCase) -> Schedules:
+        sched = Schedules(self.bench.arch)
+        for sh in shapes:
+            sched.entries.setdefault("paged_attention", []).append(self._tune(sh, decode, prefill))
+            self.bench.free_all()
+        return sched
+
+    def _tune(self, sh: AttentionShape, decode: list[AttentionCase], prefill: AttentionCase) -> dict:
+        default = DEFAULT.attention(sh.h, sh.hkv, sh.d, sh.max_model_len)
+        rigs: dict[AttentionCase, AttentionRig] = {}
+
+        def timed(cfg: AttentionConfig, cases: list[AttentionCase]) -> list[Timed]:
+            for case in cases:
+                if case not in rigs:
+                    rigs[case] = AttentionRig(self.bench, sh, case)
+            return [rigs[case].timed(cfg) for case in cases]
+        trials = []
+        for phase, cases, cands in (("decode", decode, decode_candidates(sh, default)),
+                                    ("prefill", [prefill], prefill_candidates(sh, default))):
+            trials += [Trial((sh.h, sh.hkv, sh.d, phase), c, lambda c=c, cases=cases: timed(c, cases),
+                             baseline=i == 0) for i, c in enumerate(cands)]
+        self.progress(f"paged_attention [{sh.h}, {sh.hkv}, {sh.d}]: {len(trials)} schedules over "
+                      f"{', '.join(c.name for c in decode + [prefill])} (tile {default.tile}, seg {default.seg})")
+        won = self.bench.best(trials)
+        entry = {"h": sh.h, "hkv": sh.hkv, "d": sh.d}
+        for phase, knobs, timing in (("decode", ATTENTION_DECODE_KNOBS, "us"),
+                                     ("prefill", ATTENTION_PREFILL_KNOBS, "prefill_us")):
+            w = won[(sh.h, sh.hkv, sh.d, phase)]
+            entry.update({k: getattr(w.cand, k) for k in knobs})
+            entry[timing] = round(w.us, 2)
+            was = f" (default {w.baseline_us:.1f} us)" if w.baseline_us is not None else ""
+            self.progress(f"  {phase}: " + ", ".join(f"{k} {getattr(w.cand, k)}" for k in knobs)
+                          + f": {w.us:.1f} us{was}")
+        return entry

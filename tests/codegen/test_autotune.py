@@ -1,0 +1,414 @@
+"""The tuner's selection logic on CPU: a Bench whose device is a stand-in (fake addresses,
+an injected timing and read-back), everything else real: candidates, the kernel wrappers'
+recorded launches, lowering, the keep-the-best loop, the bits check and what is written.
+The sweeps on a real GPU: tests/gpu/test_gpu_tune.py."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from kiln.codegen.autotune import DryBench, GemmTuner, Timed, Trial, _GemmRig, gemm_problems, reductions, tiles
+from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
+                                              attention_shapes, decode_candidates, decode_case, parse_case,
+                                              prefill_candidates)
+from kiln.codegen.autotune_rows import ROW_OPS, RowTuner, candidates
+from kiln.codegen.buckets import Bucket, make_buckets
+from kiln.codegen.lower import Regions, lower_bucket
+from kiln.codegen.triton.aot import cache_key
+from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
+from kiln.codegen.triton.launch import cdiv
+from kiln.codegen.triton.paged_attention_launch import attention_block_q
+from kiln.graph import DType
+from kiln.models.config import ModelConfig
+from kiln.models.registry import get_graph_builder
+from kiln.passes.pipeline import run_pipeline
+from kiln.passes.plan_memory import plan_memory
+from kiln.schedules import Schedules
+from tests.codegen.test_schedules import _sched
+from tests.tiny_models import BASE
+
+
+class FakeBench(DryBench):
+    """No device and no compiler: allocations are distinct fake addresses, every kernel fits,
+    a timing is `time_fn(timed)` and a read-back `bits_fn(the Timed timed last)`."""
+
+    def __init__(self, time_fn: Callable[[Timed], float], bits_fn: Callable[[Timed], bytes] = lambda t: b"same"):
+        super().__init__("sm_90", progress=lambda s: None)
+        self.time_fn, self.bits_fn = time_fn, bits_fn
+        self.last, self.timed = None, []
+
+    def read(self, ptr, nbytes):
+        return self.bits_fn(self.last)
+
+    def compile(self, specs):
+        for s in specs:
+            self._kernels.setdefault(cache_key(s, self.arch), object())
+
+    def time_us(self, timed, replays=3):
+        self.last = timed
+        self.timed.append(timed)
+        return self.time_fn(timed)
+
+
+def specs_of(timed: Timed):
+    return [s for s, _ in timed.reps[0]]
+
+
+def tiny_graph(**extra):
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, **extra})
+    return cfg, run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+
+
+def lowered(graph, bucket: Bucket, buckets, max_model_len: int, configs=DEFAULT):
+    from kiln.codegen.compile import plan_dims
+
+    mb = -(-max_model_len // 16)
+    plan = plan_memory(graph, plan_dims(buckets, mb))
+    return lower_bucket(graph, plan, bucket, max_blocks_per_seq=mb, regions=Regions(), max_model_len=max_model_len,
+                        configs=configs)
+
+
+# -- the keep-the-best loop ---------------------------------------------------------------
+def test_best_keeps_the_fastest_per_group_and_refuses_other_bits():
+    def trial(group, cand, us, bits, baseline=False):  # two Timed of us/2 each (every timing is 1 us)
+        return Trial(group, cand, lambda: [Timed([[]], weight=us / 2, output=lambda: bits)] * 2, baseline=baseline)
+    bench = FakeBench(lambda timed: 1.0)
+    won = bench.best([trial("a", "fast", 2.0, b"x"), trial("a", "faster but other bits", 1.0, b"y"),
+                      trial("b", "only", 7.0, b"z"), trial("a", "default", 5.0, b"x", baseline=True)])
+    assert won["a"].cand == "fast" and won["a"].us == 2.0 and won["a"].baseline_us == 5.0
+    assert won["b"].cand == "only" and won["b"].baseline_us is None
+    assert bench.mismatches == [("a", "faster but other bits")]
+
+
+# -- GEMMs --------------------------------------------------------------------------------
+def test_gemm_reductions_never_leave_a_split_empty():
+    for k in (64, 96, 4096, 14336):
+        for r in reductions(k):
+            per = cdiv(cdiv(k, r.block_k), r.split_k) * r.block_k
+            assert k % r.block_k == 0 and per * (r.split_k - 1) < k
+
+
+def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
+    _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)  # every K splits in two
+    buckets = [Bucket(1, 1, 1, True), Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]
+    problems = gemm_problems(graph, buckets)
+
+    def time_fn(timed):  # split-K 2 at BLOCK_K 64 wins stage 1; BLOCK_N 64 wins stage 2
+        main = specs_of(timed)[0].constexprs
+        return 10.0 - (main["SPLIT_K"] == 2 and main["BLOCK_K"] == 64) - (main["BLOCK_N"] == 64) * 0.5
+
+    bench = FakeBench(time_fn)
+    sched = GemmTuner(bench).tune(problems)
+    assert {(e["n"], e["k"], e["block_k"], e["split_k"]) for e in sched.entries["gemm_reduction"]} == \
+        {(p.n, p.k, 64, 2) for p in problems}
+    assert {(e["n"], e["k"], e["m"]) for e in sched.entries["gemm_tile"]} == {(p.n, p.k, m) for p in problems
+                                                                            for m in p.ms}
+    assert {e["block_n"] for e in sched.entries["gemm_tile"]} == {64}
+    stage1 = sum(len(reductions(p.k)) * len(tiles(p.ms[0], wide=False)) for p in problems)
+    assert len(bench.timed) == stage1 + sum(len(tiles(m, wide=True)) for p in problems for m in p.ms)
+    for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose
+        c = specs_of(t)[0].constexprs
+        assert (c["BLOCK_K"], c["SPLIT_K"]) == (64, 2)
+
+
+def test_the_gemm_rig_times_the_kernels_a_bundle_runs():
+    _, graph = tiny_graph(hidden_size=256, intermediate_size=512)
+    buckets = make_buckets(4, 64)
+    bundle_keys = {cache_key(s, "sm_90") for b in buckets for s, _ in lowered(graph, b, buckets, 128)
+                   if s.kernel.startswith("gemm")}
+    bench = FakeBench(lambda t: 1.0)
+    rig_keys = set()
+    for p in gemm_problems(graph, buckets):
+        rig = _GemmRig(bench, p)
+        for b in buckets:
+            m = b.logits if p.out_dtype == "f32" else b.tokens
+            red, tile = DEFAULT.gemm_reduction(p.n, p.k), DEFAULT.gemm_tile(m, p.n, p.k)
+            rig_keys |= {cache_key(s, "sm_90") for s in specs_of(rig.timed(m, tile, red))}
+    assert rig_keys == bundle_keys  # every GEMM kernel of the bundle, integer hints included
+
+
+# -- paged attention ----------------------------------------------------------------------
+SHAPES = [(32, 8, 128), (4, 2, 16), (64, 8, 128), (16, 16, 64)]
+
+
+@pytest.mark.parametrize("h,hkv,d", SHAPES)
+@pytest.mark.parametrize("max_model_len", [128, 4096, 131072])
+def test_attention_candidates_touch_only_schedule_knobs(h, hkv, d, max_model_len):
+    shape = AttentionShape(h, hkv, d, 16, max_model_len)
+    default = DEFAULT.attention(h, hkv, d, max_model_len)
+    for cands, knobs in ((decode_candidates(shape, default), ATTENTION_DECODE_KNOBS),
+                         (prefill_candidates(shape, default), ATTENTION_PREFILL_KNOBS)):
+        assert cands[0] == default and len(cands) > 4
+        for c in cands:  # tile and seg (the reduction knobs) and the other phase's knobs stay the default's
+            assert {f for f, v in dataclasses.asdict(c).items() if v != getattr(default, f)} <= set(knobs)
+            assert (c.tile, c.seg) == (default.tile, default.seg)
+        decode = knobs is ATTENTION_DECODE_KNOBS
+        effective = {(attention_block_q(h, hkv, c, decode),) + tuple(getattr(c, k) for k in knobs[1:]) for c in cands}
+        assert len(effective) == len(cands)  # no schedule timed twice
+
+
+def test_attention_cases_follow_the_bundle():
+    decode, prefill = attention_cases(make_buckets(256, 2048), 131072)
+    assert [(c.name, c.tokens, c.seqs, c.split) for c in decode] == [("decode256@1500", 256, 256, False),
+                                                                    ("decode1@512", 1, 1, True)]
+    assert (prefill.lens, prefill.tokens, prefill.seqs, prefill.decode) == ((2048,), 2048, 256, False)
+    decode, prefill = attention_cases(make_buckets(8, 512), 1024)  # a small bundle: its own limits
+    assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 8), (512, 1)] and prefill.lens == (512,)
+    assert parse_case("decode4") == decode_case(4, 1500) and parse_case("prefill300").tokens == 300
+
+
+def _attention_time(timed):
+    """Decode: 4 warps and 3 stages are fastest, then fewer rows; prefill: 32 positions, 8 warps."""
+    us = 0.0
+    for s in specs_of(timed):
+        c = s.constexprs
+        if s.kernel == "paged_attention_kernel" and c["DECODE"]:
+            us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100
+        elif s.kernel == "paged_attention_kernel":
+            us += 10 - (c["BLOCK_Q"] == 32) - (s.num_warps == 8) + s.num_stages / 100
+        else:
+            us += 1
+    return us
+
+
+def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
+    cfg, graph = tiny_graph()
+    buckets = make_buckets(128, 256)  # the largest decode bucket runs unsplit, batch 1 split
+    shapes = attention_shapes(graph, 16, 512)
+    assert shapes == [AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 16, 512)]
+    decode, prefill = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
+    bench = FakeBench(_attention_time)
+    sched = AttentionTuner(bench).tune(shapes, decode, prefill)
+    (entry,) = sched.entries["paged_attention"]
+    bq0 = attention_block_q(4, 2, dataclasses.replace(DEFAULT.attention(4, 2, 16, 512), block_q=1), decode=True)
+    assert entry.pop("us") > 0 and entry.pop("prefill_us") > 0
+    assert entry == {"h": 4, "hkv": 2, "d": 16, "block_q": bq0, "num_warps": 4, "num_stages": 3,
+                     "prefill_block_q": 32, "prefill_num_warps": 8, "prefill_num_stages": 2}
+    # every decode candidate was timed at both decode cases, split as the plan splits them
+    seen = {(s.constexprs["DECODE"], s.constexprs["SPLIT"], s.grid[0]) for t in bench.timed for s in specs_of(t)
+            if s.kernel == "paged_attention_kernel"}
+    assert {(True, False, 128), (True, True, 1)} <= seen and {x for x in seen if not x[0]}
+    assert not bench.mismatches
+
+
+def test_an_attention_schedule_that_changes_the_bits_is_reported_not_chosen():
+    _, graph = tiny_graph()
+    decode, prefill = attention_cases(make_buckets(8, 256), 512, keys=(300, 100), prompt=200)
+    def bits(timed):  # a decode kernel that computes something else with 4 warps
+        main = specs_of(timed)[0]
+        return b"bug" if main.constexprs["DECODE"] and main.num_warps == 4 else b"ok"
+    bench = FakeBench(_attention_time, bits_fn=bits)
+    sched = AttentionTuner(bench).tune(attention_shapes(graph, 16, 512), decode, prefill)
+    (entry,) = sched.entries["paged_attention"]
+    assert entry["num_warps"] == 2 and entry["prefill_num_warps"] == 8  # the fastest with the default's bits
+    assert bench.mismatches and {(g[3], c.num_warps) for g, c in bench.mismatches} == {("decode", 4)}
+
+
+@pytest.mark.parametrize("kv", [None, DType.fp8e4m3])
+def test_the_attention_rig_times_the_kernels_a_bundle_runs(kv):
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, kv_cache_dtype=kv))
+    buckets = make_buckets(8, 256)
+    decode, prefill = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
+    bench = FakeBench(lambda t: 1.0)
+    (shape,) = attention_shapes(graph, 16, 512)
+    assert shape.cache_dtype == ("float8_e4m3fn" if kv else "bfloat16")
+    default = DEFAULT.attention(shape.h, shape.hkv, shape.d, 512)
+    for case, bucket in ((decode[0], Bucket(8, 8, 8, True)), (decode[1], Bucket(1, 1, 1, True)),
+                         (prefill, Bucket(256, 8, 8, False))):
+        rig = AttentionRig(bench, shape, case)
+        got = [(cache_key(s, "sm_90"), s.grid) for s in specs_of(rig.timed(default))]
+        plan = [(cache_key(s, "sm_90"), s.grid) for s, _ in lowered(graph, bucket, buckets, 512)
+                if s.kernel in ("paged_attention_kernel", "attention_merge_kernel")]
+        assert got == plan[:len(got)], case.name  # spec, hints and grid of the layer's launches
+
+
+# -- row and elementwise kernels ----------------------------------------------------------
+@pytest.mark.parametrize("op", sorted(ROW_OPS))
+@pytest.mark.parametrize("width", [64, 128, 4096, 14336])
+def test_row_candidates_touch_only_their_knobs(op, width):
+    cands = candidates(op, width)
+    elementwise = ROW_OPS[op].elementwise
+    default = DEFAULT.elementwise(op, width) if elementwise else DEFAULT.row(op, width)
+    assert cands[0] == dataclasses.asdict(default) and len(cands) > 1
+    assert all(c.keys() == ({"block", "num_warps"} if elementwise else {"num_warps"}) for c in cands)
+    assert len({tuple(c.items()) for c in cands}) == len(cands)
+    for c in cands:  # each is a config Configs accepts for that op
+        configs = Configs(lookup=lambda o, k, c=c: c if (o, k) == (op, (width,)) else None)
+        got = configs.elementwise(op, width) if elementwise else configs.row(op, width)
+        assert dataclasses.asdict(got) == c
+
+
+@pytest.mark.parametrize("extra", [{}, {"architectures": ["Qwen3ForCausalLM"]}])
+def test_row_ops_name_the_kernels_their_configs_reach(extra):
+    """ROW_OPS says which kernel a Configs op configures: overriding the op changes those
+    launches and no others (the lowering is the oracle)."""
+    _, graph = tiny_graph(**extra)
+    buckets = make_buckets(4, 64)
+    base = lowered(graph, buckets[-1], buckets, 128)
+    for op, ro in ROW_OPS.items():
+        widths = {ro.width(s.constexprs) for s, _ in base if s.kernel == ro.kernel}
+        assert widths, f"no {ro.kernel} launch in the plan"
+        new = {"block": 32, "num_warps": 16} if ro.elementwise else {"num_warps": 16}
+        configs = Configs(lookup=lambda o, k, op=op, widths=widths, new=new: new if o == op and k[0] in widths else None)
+        changed = {s.kernel for (s, _), (t, _) in zip(base, lowered(graph, buckets[-1], buckets, 128, configs))
+                   if s != t}
+        assert changed == {ro.kernel}, op
+
+
+def _rows_bench(bits_fn=lambda t: b"same"):
+    def time_fn(timed):  # 16 warps win the 1-row bucket, 8 warps the sum over the buckets
+        (spec, _), = timed.reps[0]
+        if spec.grid[0] == 1:
+            return {16: 0.1, 8: 0.5}.get(spec.num_warps, 1.0)
+        return {8: 0.5}.get(spec.num_warps, 1.0)
+    return FakeBench(time_fn, bits_fn)
+
+
+def test_row_tuner_chooses_once_per_op_and_width_over_the_buckets():
+    cfg, graph = tiny_graph()
+    buckets = make_buckets(256, 2048)
+    bench = _rows_bench()
+    tuner = RowTuner(bench, graph, buckets, lookup=None, max_model_len=512, block_size=16)
+    assert [b.name for b in tuner.buckets] == ["d1x1", "d256x256", "m2048x256"]
+    sched = tuner.tune()
+    widths = {"rms_norm": cfg.hidden_size, "attention_preamble": cfg.num_attention_heads * cfg.head_dim,
+              "silu_mul": cfg.intermediate_size, "gather_rows": cfg.hidden_size}
+    assert {op: [e["width"] for e in v] for op, v in sched.entries.items()} == {op: [w] for op, w in widths.items()}
+    for op, (e,) in sched.entries.items():
+        assert e["num_warps"] == 8 and set(e) == {"width", "num_warps", "us"} | ({"block"} if ROW_OPS[op].elementwise
+                                                                                else set())
+    assert not bench.mismatches
+    # each timed launch is weighted by how often a step of its bucket runs it
+    launches = sum(s.kernel == "rms_norm_kernel" for b in tuner.buckets for s, _ in lowered(graph, b, buckets, 512))
+    default = DEFAULT.row("rms_norm", cfg.hidden_size).num_warps
+    assert sum(t.weight for t in bench.timed if specs_of(t)[0].kernel == "rms_norm_kernel"
+               and specs_of(t)[0].num_warps == default) == launches
+    # the launches point into the device memory the rig allocated, not into the plan's regions
+    for t in bench.timed:
+        (spec, args), = t.reps[0]
+        assert all(a >= 1 << 36 for a, ty in zip(args, spec.signature.values()) if ty.startswith("*"))
+
+
+@pytest.mark.parametrize("arch,checked", [("LlamaForCausalLM", {"silu_mul", "gather_rows", "attention_preamble"}),
+                                          ("Qwen3ForCausalLM", {"silu_mul", "gather_rows"})])  # q/k norm
+def test_row_bits_are_checked_where_the_knob_is_a_schedule_knob_only(arch, checked):
+    _, graph = tiny_graph(architectures=[arch])
+
+    def bits(timed):  # every kernel gives other bits with other warps
+        return str(specs_of(timed)[0].num_warps).encode()
+    bench = _rows_bench(bits)
+    sched = RowTuner(bench, graph, make_buckets(256, 2048), lookup=None, max_model_len=512, block_size=16).tune()
+    # a norm's warps order its sum, so other bits are expected (the choice holds for every
+    # bucket); the elementwise kernels, and the preamble without q/k norm, must keep the default's
+    assert {g[0] for g, _ in bench.mismatches} == checked
+    assert {op: e[0]["num_warps"] for op, e in sched.entries.items()} == {op: 4 if op in checked else 8
+                                                                          for op in ROW_OPS}
+
+
+def test_row_tuner_times_the_fused_split_k_variants_the_gemm_schedules_make():
+    cfg, graph = tiny_graph()
+    hidden, attn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    sched = Schedules("sm_90", {"gemm_reduction": [{"n": hidden, "k": attn, "block_k": 32, "split_k": 2}]})
+    bench = _rows_bench()
+    RowTuner(bench, graph, make_buckets(4, 64), lookup=sched.lookup, max_model_len=128, block_size=16).tune()
+    splits = {specs_of(t)[0].constexprs["X_SPLIT"] for t in bench.timed if specs_of(t)[0].kernel == "rms_norm_kernel"}
+    assert splits == {0, 2}  # o_proj's partials summed by the next add_rms_norm, as in the plan
+
+
+@pytest.mark.parametrize("kernels", ["gemm,foo", ""])
+def test_tune_refuses_unknown_kernel_families(kernels, capsys):
+    from kiln.build import main
+
+    assert main(["tune", "--kernels", kernels]) == 1
+    assert "--kernels takes a comma-separated list of gemm, attention, rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("buggy", [False, True])
+def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_path, monkeypatch, capsys):
+    """build.py tune end to end with a stand-in device: --kernels attention,rows writes those two
+    files, keeps gemm.yaml as it was, and exits 1 when a schedule knob changed the bits."""
+    import json
+
+    from kiln.codegen import autotune
+    from kiln.runtime import cuda_driver
+    from kiln.build import main
+
+    class Ctx:
+        arch = 90
+
+    def bits(timed):  # buggy: silu_mul gives other bits with 8 warps
+        spec = specs_of(timed)[0]
+        return b"bug" if buggy and spec.kernel == "silu_mul_kernel" and spec.num_warps == 8 else b"ok"
+    monkeypatch.setattr(cuda_driver, "CudaContext", Ctx)
+    monkeypatch.setattr(autotune, "Bench", lambda ctx, arch, progress: FakeBench(
+        lambda t: sum(s.num_warps for s in specs_of(t)) + len(t.reps), bits))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    _sched().write("gemm", tmp_path / "schedules")
+    gemm = (tmp_path / "schedules" / "sm_90" / "gemm.yaml").read_text()
+    rc = main(["tune", "--model", str(tmp_path / "model"), "--kernels", "rows,attention", "--out",
+               str(tmp_path / "schedules"), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert rc == (1 if buggy else 0)
+    assert len(errors) == buggy and all("changed the bits" in e and "silu_mul" in e for e in errors)
+    folder = tmp_path / "schedules" / "sm_90"
+    assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "gemm.yaml", "rows.yaml"]
+    assert (folder / "gemm.yaml").read_text() == gemm
+    sched = Schedules.read("sm_90", tmp_path / "schedules")
+    assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS}
+    assert sched.entries["silu_mul"][0]["num_warps"] == 4  # the fewest warps, or the default's bits
+
+
+def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkeypatch, capsys):
+    """--compile-only: the sweeps run on a DryBench, which hands every candidate's kernels to
+    the AOT compiler (here a stand-in) and writes no schedule."""
+    import json
+
+    from kiln.build import main
+    from kiln.codegen import autotune
+    from kiln.codegen.triton.aot import Compiled
+    from kiln.runtime import cuda_driver
+
+    asked = set()
+
+    def compile_specs(jobs, workers=None):
+        asked.update(s.kernel for s, _ in jobs)
+        return [Compiled(b"", s.kernel, 0, s.num_warps, 2, 0, "sm_90a") for s, _ in jobs]
+
+    def no_gpu():
+        raise AssertionError("--compile-only opened a CUDA context")
+    monkeypatch.setattr(autotune, "compile_specs", compile_specs)
+    monkeypatch.setattr(cuda_driver, "CudaContext", no_gpu)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    assert main(["tune", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "schedules"), "--compile-only",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
+    assert not (tmp_path / "schedules").exists()
+    assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "attention_merge_kernel", "rms_norm_kernel",
+                     "attention_preamble_kernel", "silu_mul_kernel", "gather_rows_kernel"}
+    assert "nothing timed, nothing written" in capsys.readouterr().err
+
+
+def test_tune_times_attention_and_the_preamble_over_the_cache_dtype_asked_for(tmp_path, monkeypatch):
+    import json
+
+    from kiln.build import main
+    from kiln.codegen import autotune
+    from kiln.runtime import cuda_driver
+
+    class Ctx:
+        arch = 90
+    benches = []
+    monkeypatch.setattr(cuda_driver, "CudaContext", Ctx)
+    monkeypatch.setattr(autotune, "Bench", lambda ctx, arch, progress: benches.append(FakeBench(lambda t: 1.0))
+                        or benches[-1])
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    assert main(["tune", "--model", str(tmp_path / "model"), "--kernels", "attention,rows", "--kv-cache-dtype", "fp8",
+                 "--out", str(tmp_path / "schedules"), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
+    caches = {s.kernel: s.signature["cache_ptr"] for t in benches[0].timed for s in specs_of(t)
+              if "cache_ptr" in s.signature}
+    assert caches == {"paged_attention_kernel": "*fp8e4nv", "attention_preamble_kernel": "*fp8e4nv"}

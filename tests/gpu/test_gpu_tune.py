@@ -1,0 +1,110 @@
+"""`build.py tune` on the GPU, on a small Llama: the attention and row sweeps (and the
+GEMM sweep on one weight) run, write their winners, and the winners give the default
+config's bits wherever their knobs are schedule knobs.
+
+    pytest -m gpu tests/gpu/test_gpu_tune.py
+"""
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kiln.codegen.autotune import Bench, GemmProblem, GemmTuner
+from kiln.codegen.autotune_attention import AttentionRig, attention_cases, attention_shapes
+from kiln.codegen.autotune_rows import ROW_OPS, RowTuner
+from kiln.codegen.buckets import make_buckets
+from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
+from kiln.graph import DType
+from kiln.models.config import ModelConfig
+from kiln.models.registry import get_graph_builder
+from kiln.passes.pipeline import run_pipeline
+from kiln.schedules import Schedules
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1536,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+          "max_position_embeddings": 1024, "rms_norm_eps": 1e-6}
+SEQS, TOKENS, MAX_LEN = 16, 256, 1024
+
+
+@pytest.fixture(scope="module")
+def bench(gpu_target):
+    from kiln.runtime.cuda_driver import CudaContext
+
+    ctx = CudaContext()
+    yield Bench(ctx, gpu_target, progress=print)
+    ctx.close()
+
+
+@pytest.fixture(scope="module")
+def tuned(gpu_target, tmp_path_factory):
+    """`build.py tune --kernels attention,rows` into a fresh schedules folder."""
+    from kiln.build import main
+
+    root = tmp_path_factory.mktemp("tune")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(CONFIG))
+    rc = main(["tune", "--model", str(root / "model"), "--target", gpu_target, "--kernels", "attention,rows",
+               "--out", str(root / "schedules"), "--max-num-seqs", str(SEQS), "--max-num-batched-tokens",
+               str(TOKENS), "--max-model-len", str(MAX_LEN)])
+    assert rc == 0  # 1 would mean a candidate changed the bits where its knobs must not
+    return Schedules.read(gpu_target, root / "schedules"), root / "schedules" / gpu_target
+
+
+def _graph():
+    cfg = ModelConfig.from_hf_dict(CONFIG)
+    return run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+
+
+def test_tune_writes_attention_and_row_winners(tuned):
+    sched, folder = tuned
+    assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "rows.yaml"]
+    (entry,) = sched.entries["paged_attention"]
+    assert set(entry) == {"h", "hkv", "d", "us", "prefill_us", *ATTENTION_DECODE_KNOBS, *ATTENTION_PREFILL_KNOBS}
+    assert {op for op in sched.entries if op != "paged_attention"} == set(ROW_OPS)
+    assert all(e["us"] > 0 for items in sched.entries.values() for e in items)
+
+
+def test_the_attention_winner_gives_the_default_bits(tuned, bench):
+    sched, _ = tuned
+    graph = _graph()
+    (shape,) = attention_shapes(graph, 16, MAX_LEN)
+    default = DEFAULT.attention(shape.h, shape.hkv, shape.d, MAX_LEN)
+    won = Configs(lookup=sched.lookup).attention(shape.h, shape.hkv, shape.d, MAX_LEN)
+    decode, prefill = attention_cases(make_buckets(SEQS, TOKENS), MAX_LEN)
+    for case in decode + [prefill]:
+        rig = AttentionRig(bench, shape, case)
+        outs = []
+        for cfg in (default, won):
+            timed = rig.timed(cfg)
+            bench.compile([s for s, _ in timed.reps[0]])
+            bench.time_us(timed)
+            outs.append(rig.output())
+        assert outs[0] == outs[1], f"{case.name}: the tuned schedule {won} changed the bits"
+        live = np.frombuffer(outs[0], ml_dtypes.bfloat16)[:sum(case.counts) * shape.h * shape.d]
+        assert np.isfinite(live.astype(np.float32)).all()
+    bench.free_all()
+
+
+def test_the_row_winners_give_the_default_bits_where_the_knob_is_a_schedule_knob(tuned, bench):
+    sched, _ = tuned
+    tuner = RowTuner(bench, _graph(), make_buckets(SEQS, TOKENS), lookup=None, max_model_len=MAX_LEN,
+                     block_size=16)
+    won = {(op, e["width"]): {k: v for k, v in e.items() if k not in ("width", "us")}
+           for op, items in sched.entries.items() if op in ROW_OPS for e in items}
+    pairs = [t for t in tuner.trials() if t.baseline or t.cand == won[t.group]]
+    assert len(pairs) >= len(won)
+    bench.mismatches.clear()
+    bench.best(pairs)
+    assert bench.mismatches == []
+    bench.free_all()
+
+
+def test_gemm_sweep_on_one_weight(bench):
+    sched = GemmTuner(bench).tune([GemmProblem(512, 1536, "bf16", False, [1, 16, 64])])
+    assert {(e["n"], e["k"]) for e in sched.entries["gemm_reduction"]} == {(512, 1536)}
+    assert sorted(e["m"] for e in sched.entries["gemm_tile"]) == [1, 16, 64]
