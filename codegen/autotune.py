@@ -96,6 +96,7 @@ class Bench:
         self.ctx, self.arch, self.progress, self.workers = ctx, arch, progress, workers
         self._kernels: dict[str, Any] = {}  # cache key -> loaded kernel (None: does not fit)
         self._allocs: list[int] = []
+        self._scratch = (0, 0)  # (pointer, bytes): the launches' global scratch (_scratch_for)
         self._pools: dict[np.dtype, np.ndarray] = {}  # dtype -> random values as bytes
         self.mismatches: list[tuple[Hashable, Any]] = []  # (group, candidate) whose bits differ
 
@@ -118,6 +119,7 @@ class Bench:
         for ptr in self._allocs:
             self.ctx.free(ptr)
         self._allocs.clear()
+        self._scratch = (0, 0)
 
     def buffer(self, shape, dtype, data=None) -> Buf:
         """Device memory for an array: `data`, or random values (bf16 bit patterns of a
@@ -158,7 +160,7 @@ class Bench:
         self.progress(f"  {len(todo)} kernels compiled (or cached) in {time.perf_counter() - t0:.0f} s")
 
     def _load(self, c: Compiled) -> Any:
-        return self.ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden)
+        return self.ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden, c.global_scratch_size)
 
     def fits(self, spec: KernelSpec) -> bool:
         return self._kernels[cache_key(spec, self.arch)] is not None
@@ -170,10 +172,16 @@ class Bench:
             ptr = ty.startswith("*")
             vals.append((a if isinstance(a, int) else a.data_ptr()) if ptr else a)
             types.append(ctypes.c_void_p if ptr else _CT[ty])
-        vals += [0] * kern.num_scratch
-        types += [ctypes.c_void_p] * kern.num_scratch
         grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-        return kern, grid, (tuple(vals), tuple(types))
+        hidden, hidden_types = kern.hidden_args(self._scratch_for(kern.scratch_bytes(grid)))
+        return kern, grid, (tuple(vals + hidden), tuple(types + hidden_types))
+
+    def _scratch_for(self, nbytes: int) -> int:
+        """A global scratch buffer of at least nbytes, shared by every launch (they run in order
+        on one stream); grown, never shrunk, and only between captures."""
+        if nbytes > self._scratch[1]:
+            self._scratch = (self.malloc(nbytes), nbytes)
+        return self._scratch[0]
 
     def time_us(self, timed: Timed, replays: int = 3) -> float:
         """Microseconds per launch list: one warm-up replay of the graph, then `replays` timed."""

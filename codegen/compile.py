@@ -61,6 +61,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     compiled = dict(zip(specs, compile_specs([(s, target) for s in specs.values()])))
     kernels = {k: c.cubin for k, c in compiled.items()}
     kernel_meta = {k: {"name": c.name, "shared": c.shared, "num_warps": c.num_warps, "n_hidden": c.n_hidden,
+                       "global_scratch_size": c.global_scratch_size,
                        "signature": list(specs[k].signature.values())} for k, c in compiled.items()}
     plans = {}
     for b, launches in recorded.items():

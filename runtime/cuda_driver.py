@@ -46,6 +46,18 @@ class Kernel:
     num_warps: int
     shared: int  # dynamic shared memory bytes
     num_scratch: int = 2  # hidden pointer args Triton appends (global and profile scratch)
+    scratch_size: int = 0  # global scratch bytes per program (e.g. TMA descriptors built on the device)
+
+    def scratch_bytes(self, grid) -> int:
+        """The global scratch a launch over `grid` needs: scratch_size bytes per program."""
+        return self.scratch_size * int(np.prod(grid)) if self.scratch_size else 0
+
+    def hidden_args(self, scratch: int = 0) -> tuple[list, list]:
+        """The trailing pointers Triton appends, as (values, ctypes): the global scratch (a
+        buffer of scratch_bytes(grid), each program using its own slice) and the profile
+        scratch (null)."""
+        vals = ([scratch if self.scratch_size else 0] + [0] * self.num_scratch)[:self.num_scratch]
+        return vals, [ctypes.c_void_p] * self.num_scratch
 
 
 class CudaContext:
@@ -117,7 +129,8 @@ class CudaContext:
         return ptr
 
     # -- modules and launches -------------------------------------------------------------
-    def load_kernel(self, cubin: bytes, name: str, num_warps: int, shared: int, num_scratch: int = 2) -> Kernel:
+    def load_kernel(self, cubin: bytes, name: str, num_warps: int, shared: int, num_scratch: int = 2,
+                    scratch_size: int = 0) -> Kernel:
         module = _check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         self._modules.append(module)
         fn = _check(self.drv.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
@@ -125,7 +138,7 @@ class CudaContext:
             _check(self.drv.cuFuncSetAttribute(
                 fn, self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
                 "cuFuncSetAttribute")
-        return Kernel(name, fn, num_warps, shared, num_scratch)
+        return Kernel(name, fn, num_warps, shared, num_scratch, scratch_size)
 
     def synchronize(self) -> None:
         _check(self.drv.cuStreamSynchronize(self.stream), "cuStreamSynchronize")

@@ -50,7 +50,14 @@ class CudaExecutor:
         self.num_blocks = self._alloc_states(m["states"], bases, num_blocks, gpu_memory_utilization)
         self.bases = bases
         self.kernels = {k: self.ctx.load_kernel(bundle.kernels[k], meta["name"], meta["num_warps"], meta["shared"],
-                                                meta["n_hidden"]) for k, meta in m["kernels"].items()}
+                                                meta["n_hidden"], meta.get("global_scratch_size", 0))
+                        for k, meta in m["kernels"].items()}
+        # One global scratch buffer for every launch that needs one (the GEMMs that build TMA
+        # descriptors on the device): launches run one after another on one stream, so they
+        # share it; sized for the largest grid of any plan.
+        need = max((self.kernels[key].scratch_bytes(grid) for p in m["plans"].values()
+                    for key, grid, _ in p["launches"]), default=0)
+        self.scratch = self.ctx.malloc(need) if need else 0
         ptr_of = [bases[r] if r in bases else None for r in m["regions"]]
         self.plans = {name: self._resolve(p, ptr_of) for name, p in m["plans"].items()}
         self.buckets = sorted(self.plans.values(), key=lambda p: (p["tokens"], p["seqs"], not p["decode"]))
@@ -118,8 +125,9 @@ class CudaExecutor:
                 else:
                     vals.append(a)
                     types.append(_CTYPES[ty])
-            vals += [0] * kernel.num_scratch
-            types += [ctypes.c_void_p] * kernel.num_scratch
+            hidden, hidden_types = kernel.hidden_args(self.scratch)
+            vals += hidden
+            types += hidden_types
             g = tuple(grid) + (1,) * (3 - len(grid))
             launches.append((kernel, g, (tuple(vals), tuple(types))))
         return {"tokens": t, "seqs": s, "logits": l_, "decode": decode, "inputs": plan["inputs"],

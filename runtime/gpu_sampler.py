@@ -218,8 +218,9 @@ class GpuSampler:
         for name, ty in zip(names, sig):
             vals.append(int(args[name]) if ty.startswith(("*", "i")) else float(args[name]))
             types.append(ctypes.c_void_p if ty.startswith("*") else _CTYPES[ty])
-        vals += [0] * kernel.num_scratch
-        types += [ctypes.c_void_p] * kernel.num_scratch
+        hidden, hidden_types = kernel.hidden_args()  # the sampling kernels need no global scratch
+        vals += hidden
+        types += hidden_types
         drv = self.ctx.drv
         err, = drv.cuLaunchKernel(kernel.function, grid, 1, 1, 32 * kernel.num_warps, 1, 1, kernel.shared,
                                   self.ctx.stream, (tuple(vals), tuple(types)), 0)

@@ -17,9 +17,11 @@ child process: `python -m kiln.codegen.triton.aot` reads the spec as JSON on std
 Launching a cubin: cuModuleLoadData(cubin), cuModuleGetFunction(name), set
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES when shared > 48 KiB, then
 cuLaunchKernel(grid, block=(32 * num_warps, 1, 1), sharedMemBytes=shared) with the
-spec's non-constexpr args in order followed by `n_hidden` null pointers (Triton
-3.6: global and profile scratch; global_scratch_size must be 0, as it is for every
-kernel here).
+spec's non-constexpr args in order followed by `n_hidden` pointers (Triton 3.6: global
+and profile scratch). The global scratch is null unless global_scratch_size > 0 (the
+GEMM that builds its TMA descriptors on the device: 128 bytes per descriptor); then it
+is a buffer of global_scratch_size bytes per program of the grid (runtime/cuda_driver.py
+Kernel.hidden_args). The profile scratch is always null.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from kiln.codegen.triton.configs import DEFAULT, Configs, GemmReduction, GemmTile
+from kiln.codegen.triton.configs import DEFAULT, Configs, GemmReduction, GemmTile, with_tma
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         check_shape, dtype_name, launch, shape_of, sig_type, strides_of)
 
@@ -49,7 +49,7 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
                 N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr):
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, SPLIT_K). Programs walk W's column
     # blocks with GROUP_M row blocks side by side, so the programs in flight share each W
     # tile through L2 (N-major order re-read all of W from HBM for every row block: at
@@ -67,15 +67,30 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
         return
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x and y
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of w, columns of y
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-    w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
-        rk = k_start + kk + tl.arange(0, BLOCK_K)  # [BK]
-        a = tl.load(x_rows + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        b = tl.load(w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-        acc = _dot_acc(a, b, acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into the f32 accumulator
+    if TMA and not INTERPRET:
+        # The same tiles in the same K order, loaded by the tensor memory accelerator through
+        # descriptors this program builds (in the launch's global scratch): no address math,
+        # no masks (the TMA unit zero-fills rows >= M and columns >= K, as the masks did), the
+        # copies issued asynchronously by one thread. Same bits as the pointer loads (the GPU
+        # test proves it). The interpreter takes the pointer path: its numpy model of the dot
+        # sums a transposed tile in another order, which would fake a difference.
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
+            a = x_desc.load([pid_m * BLOCK_M, k_start + kk])  # [BM, BK]
+            b = w_desc.load([pid_n * BLOCK_N, k_start + kk])  # [BN, BK]
+            acc = _dot_acc(a, b.T, acc, INTERPRET)
+    else:
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+        w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
+            rk = k_start + kk + tl.arange(0, BLOCK_K)  # [BK]
+            a = tl.load(x_rows + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            b = tl.load(w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+            acc = _dot_acc(a, b, acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into the f32 accumulator
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -118,6 +133,8 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
     t = sig_type
     # the hints launch.hint_ints would add (the autotuner compiles these specs directly)
     div = tuple(a for a, v in (("M", m), ("stride_xm", xs), ("stride_ym", ys)) if v % 16 == 0)
+    # TMA's global strides must be multiples of 16 bytes (pointers are 16-byte aligned: `divisible`)
+    tma = bool(tile.tma) and xs % 16 == 0 and k % 16 == 0
     ptrs = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "part_ptr", "n_rows_ptr")
     main = KernelSpec(
         module=__name__, kernel="gemm_kernel",
@@ -125,7 +142,7 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
                    "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k,
                         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k,
-                        GROUP_M=tile.group_m, INTERPRET=False),
+                        GROUP_M=tile.group_m, TMA=tma, INTERPRET=False),
         grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, red.split_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
     if red.split_k == 1:
@@ -155,7 +172,7 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
     check_inner_contiguous(x, "gemm x")
     check_inner_contiguous(w, "gemm w", 2)
     red = red or configs.gemm_reduction(n, k)
-    tile = tile or configs.gemm_tile(m, n, k, arch)
+    tile = with_tma(tile, arch) if tile else configs.gemm_tile(m, n, k, arch)
     if out is None:
         out = as_buf(np.empty((m, n), dtype=x.dtype))
     if n_rows is None:

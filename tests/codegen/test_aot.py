@@ -68,7 +68,9 @@ def test_every_kernel_compiles_for_both_archs(tmp_path):
         assert c.target == {"sm_90": "sm_90a", "sm_121": "sm_121a"}[arch], where
         assert c.num_warps == spec.num_warps, where
         assert c.n_hidden == 2, where  # Triton 3.6: global + profile scratch pointers
-        assert c.global_scratch_size == 0, where  # the runtime may pass null scratch pointers
+        # null global scratch pointers are fine, but for the GEMM building 2 TMA descriptors
+        tma = spec.kernel == "gemm_kernel" and spec.constexprs["TMA"]
+        assert c.global_scratch_size == (256 if tma else 0), where
         assert c.shared <= (227 if arch == "sm_90" else 99) * 1024, where
     t0 = time.perf_counter()
     again = compile_specs(jobs, cache_dir=tmp_path)

@@ -83,6 +83,38 @@ def test_compile_uses_tuned_entries_and_lists_fallbacks():
     assert ("gemm_tile", (4, n, k, "sm_90")) not in configs.fallbacks
 
 
+def test_wgmma_tiles_load_through_tma_on_sm_90_and_a_schedule_may_say_otherwise():
+    assert DEFAULT.gemm_tile(2048, 4096, 4096, "sm_90").tma is True
+    assert DEFAULT.gemm_tile(64, 4096, 4096, "sm_90").tma is True
+    assert DEFAULT.gemm_tile(1, 4096, 4096, "sm_90").tma is False  # mma.sync decode tiles keep pointer loads
+    assert DEFAULT.gemm_tile(2048, 4096, 4096, "sm_121").tma is False  # not measured there
+    sched = _sched()
+    sched.entries["gemm_tile"].append({"m": 256, "n": 96, "k": 64, "block_m": 128, "block_n": 64, "num_warps": 8,
+                                       "num_stages": 3, "tma": False})
+    configs = Configs(lookup=sched.lookup)
+    assert configs.gemm_tile(64, 96, 64, "sm_90").tma is False  # tuned to block_m 32: the rule says no
+    assert configs.gemm_tile(256, 96, 64, "sm_90").tma is False  # the schedule's word wins
+    assert configs.gemm_tile(1024, 96, 64, "sm_90") == GemmTile(128, 64, 8, 3, tma=False)
+
+
+def test_a_tma_gemm_gets_global_scratch_in_the_bundle():
+    """The prefill bucket's GEMMs build 2 TMA descriptors per program on the device: the
+    bundle says so (global_scratch_size), so the runtime hands them a scratch buffer; the
+    decode bucket's GEMMs need none."""
+    cfg, graph = _tiny_graph()
+    bundle = compile_bundle(graph, target="sm_90", model_config={}, config_hash="x", max_model_len=128,
+                            max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+                            buckets=[Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)])
+    man = bundle.manifest
+
+    def scratch(plan):
+        return {man["kernels"][key]["global_scratch_size"] for key, _, _ in man["plans"][plan]["launches"]
+                if man["kernels"][key]["name"] == "gemm_kernel"}
+
+    assert scratch("d4x4") == {0}
+    assert scratch("m64x4") == {0, 256}  # 256: the 64-row GEMMs; 0: the lm_head over the 4 logits rows
+
+
 def test_tuner_candidates_keep_the_reduction_per_weight():
     for k in (64, 4096, 14336):
         for r in reductions(k):
