@@ -16,6 +16,7 @@ descriptors (cuTensorMapEncodeTiled) at plan load: a plan's pointers are fixed, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -101,10 +102,17 @@ def main() -> None:
                 return ws[it["i"]]
 
             y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-            us = torch_graph_us(lambda: gemm(x, nxt(), None, y, n_rows=nr, tile=tile, red=red))
-            gemm(x, ws[0], None, y, n_rows=nr, tile=tile, red=red)
+            ptr_tile = dataclasses.replace(tile, tma=False)
+            us = torch_graph_us(lambda: gemm(x, nxt(), None, y, n_rows=nr, tile=ptr_tile, red=red))
+            gemm(x, ws[0], None, y, n_rows=nr, tile=ptr_tile, red=red)
             outs["kiln"] = y.clone()
             rows.append(dict(shape=name, m=m, n=n, k=k, kernel="kiln", stages=stages, us=us))
+            # kiln's own TMA path: descriptors built on the device (tl.make_tensor_descriptor)
+            dev_tile = dataclasses.replace(tile, tma=True)
+            us = torch_graph_us(lambda: gemm(x, nxt(), None, y, n_rows=nr, tile=dev_tile, red=red))
+            gemm(x, ws[0], None, y, n_rows=nr, tile=dev_tile, red=red)
+            rows.append(dict(shape=name, m=m, n=n, k=k, kernel="kiln-tma", stages=stages, us=us,
+                             same_bits=torch.equal(y, outs["kiln"])))
             xd = TensorDescriptor.from_tensor(x, [tile.block_m, red.block_k])
             wds = [TensorDescriptor.from_tensor(w, [tile.block_n, red.block_k]) for w in ws]
             tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
