@@ -57,7 +57,10 @@ def _lookup(a):
     def lookup(op, key):
         if op == "paged_attention" and (a.attn_block_q or a.attn_warps):
             return {k: v for k, v in (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps)) if v}
-        return sched.lookup(op, key) if sched else None
+        found = sched.lookup(op, key) if sched else None
+        if op == "gemm_tile" and a.gemm_tma != "auto":  # A/B of the TMA loads (configs.with_tma)
+            return {**(found or {}), "tma": a.gemm_tma == "on"}
+        return found
     return lookup
 
 
@@ -91,6 +94,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="time every kernel of the batch-1 decode step "
                     "and of the prefill step")
     ap.add_argument("--attn-block-q", type=int, help="paged attention query positions per program in prefill buckets")
+    ap.add_argument("--gemm-tma", choices=("auto", "on", "off"), default="auto",
+                    help="GEMM tiles load through TMA descriptors: auto = the arch's rule (sm_90, BLOCK_M >= 64)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
@@ -109,6 +114,7 @@ def main() -> None:
                             batch_invariant=not a.no_batch_invariance,
                             configs=Configs(lookup=_lookup(a)))
     res["tuned"] = not a.untuned
+    res["gemm_tma"] = a.gemm_tma
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
     print(f"compile: {res['compile_s']:.1f} s, {len(bundle.kernels)} kernels, {len(bundle.manifest['plans'])} buckets")
