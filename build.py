@@ -10,6 +10,7 @@ Errors a user can cause print one sentence and exit 1 (no traceback).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.cpu_executor import CpuExecutor
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.server.cli_args import add_kv_cache_dtype_argument, add_serve_arguments
+
+log = logging.getLogger("kiln.build")
 
 try:  # bench/ is in the repository checkout beside this file, not in an installed wheel
     from kiln.bench.cli import add_bench_arguments
@@ -135,14 +138,21 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     if bundle_dir is not None and (Path(bundle_dir) / "manifest.yaml").is_file():
         try:
             b = Bundle.read(bundle_dir, expect_target=target, expect_config_hash=source.config.compute_hash())
-            if (b.manifest["max_model_len"], b.manifest["max_num_seqs"], b.manifest["max_num_batched_tokens"],
-                    b.manifest["block_size"], b.manifest.get("schedules_sha256"),
-                    b.manifest.get("kv_cache_dtype", "bf16")) == \
-                    (max_model_len, max_num_seqs, max_num_batched_tokens, block_size, schedules.digest(),
-                     graph.attrs["kv_cache_dtype"]):
+            m = b.manifest
+            have = {"max_model_len": m["max_model_len"], "max_num_seqs": m["max_num_seqs"],
+                    "max_num_batched_tokens": m["max_num_batched_tokens"], "block_size": m["block_size"],
+                    "schedules": m.get("schedules_sha256"), "kv_cache_dtype": m.get("kv_cache_dtype", "bf16")}
+            want = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                    "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+                    "schedules": schedules.digest(), "kv_cache_dtype": graph.attrs["kv_cache_dtype"]}
+            if have == want:
                 return b
-        except BundleError:
-            pass  # stale or foreign: rebuild it below
+            stale = "; ".join(f"{k} {have[k]} (now {want[k]})" for k in have if have[k] != want[k])
+        except BundleError as e:
+            stale = str(e)
+        # Said out loud, always: an A/B that carries two bundles would otherwise time two
+        # fresh compiles of the same tree and never know.
+        log.warning("recompiling the bundle in %s over the one there, which does not match: %s", bundle_dir, stale)
     configs = Configs(lookup=schedules.lookup)
     try:
         bundle = compile_bundle_cached(graph, cache_tag=schedules.digest(), target=target,

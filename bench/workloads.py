@@ -271,6 +271,11 @@ def git_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def _bundle_stamp(bundle_dir: str | None):
+    m = Path(bundle_dir or "", "manifest.yaml")
+    return m.stat().st_mtime_ns if bundle_dir and m.is_file() else None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kiln.bench.cli import command_line
     from kiln.bench.device import device_name
@@ -278,7 +283,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     a = with_defaults(args)
     peers = {**run_peers(a), **read_peer_json(a.peer_json, a.workload)}
+    before = _bundle_stamp(a.bundle)
     res = WORKLOADS[a.workload](a)
+    if a.bundle:  # did the run time the bundle it was given, or one compiled over it (build.py warns)?
+        res["bundle"] = {"dir": a.bundle, "reused": before is not None and _bundle_stamp(a.bundle) == before}
     record = {"workload": a.workload, "commit": git_commit(), "gpu": device_name(a.target),
               "metric": res.pop("metric"), "value": res.pop("value"), "roofline": res.pop("roofline", None),
               "peers": peers, "command": command_line(args), "model": a.model, "target": a.target,

@@ -5,6 +5,7 @@ tests/gpu/test_gpu_models.py."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import sys
 
@@ -90,7 +91,7 @@ def test_fp8_bundle_is_its_own(tmp_path):
     assert all("*fp8e4nv" in k["signature"] for k in readers)  # the cache pointer
 
 
-def test_bundle_dir_recompiles_for_another_kv_cache_dtype(tmp_path):
+def test_bundle_dir_recompiles_for_another_kv_cache_dtype_and_says_why(tmp_path, caplog):
     class Source:  # compile_model reads the config only
         config = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
 
@@ -102,5 +103,14 @@ def test_bundle_dir_recompiles_for_another_kv_cache_dtype(tmp_path):
     first = compile_model(Source, graph(None), **kw)
     assert first.manifest["kv_cache_dtype"] == "bf16"
     assert compile_model(Source, graph(None), **kw).manifest["compile_seconds"] == first.manifest["compile_seconds"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # reused: nothing to say
     again = compile_model(Source, graph(DType.fp8e4m3), **kw)
     assert again.manifest["kv_cache_dtype"] == "fp8e4m3"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "recompiling the bundle" in warning and "kv_cache_dtype bf16 (now fp8e4m3)" in warning
+    # a bundle of another model (config hash) is recompiled too, and says so
+    Source.config = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "rms_norm_eps": 1e-5})
+    caplog.clear()
+    compile_model(Source, graph(DType.fp8e4m3), **kw)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "recompiling the bundle" in warning and "config" in warning
