@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--attn-block-q", type=int, help="paged attention query positions per program in prefill buckets")
     ap.add_argument("--gemm-tma", choices=("auto", "on", "off"), default="auto",
                     help="GEMM tiles load through TMA descriptors: auto = the arch's rule (sm_90, BLOCK_M >= 64)")
+    ap.add_argument("--pdl", choices=("auto", "off"), default="auto",
+                    help="programmatic dependent launch for the plans' kernels (auto: on for sm_90)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
@@ -112,8 +114,9 @@ def main() -> None:
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                             max_num_batched_tokens=max(2048, a.prefill), block_size=16,
                             batch_invariant=not a.no_batch_invariance,
-                            configs=Configs(lookup=_lookup(a)))
+                            configs=Configs(lookup=_lookup(a)), pdl=None if a.pdl == "auto" else False)
     res["tuned"] = not a.untuned
+    res["pdl"] = bundle.manifest["pdl"]
     res["gemm_tma"] = a.gemm_tma
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)

@@ -20,6 +20,7 @@ from kiln.passes.plan_memory import plan_memory
 from kiln.runtime.bundle import Bundle, BundleError
 
 TARGETS = {"sm_90": "sm_90", "sm_121": "sm_121"}
+PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
 
 
 def plan_dims(buckets: list[Bucket], mb: int) -> dict[str, int]:
@@ -33,7 +34,10 @@ def plan_dims(buckets: list[Bucket], mb: int) -> dict[str, int]:
 def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], config_hash: str,
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
-                   progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True) -> Bundle:
+                   progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True,
+                   pdl: bool | None = None) -> Bundle:
+    """pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py);
+    None: wherever the target has it (sm_90 and later, i.e. every GPU target)."""
     if target not in TARGETS:
         raise ValueError(f"unknown GPU target {target!r} (known: {', '.join(TARGETS)})")
     t0 = time.perf_counter()
@@ -48,6 +52,10 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
                                    max_model_len=max_model_len, configs=configs, arch=target,
                                    batch_invariant=batch_invariant)
+    if pdl is None:
+        pdl = target in PDL_TARGETS
+    if pdl:  # the sampler's kernels (below) run after the graph, launched plainly
+        recorded = {b: [(spec.with_pdl(), args) for spec, args in launches] for b, launches in recorded.items()}
     specs: dict[str, Any] = {}
     for launches in recorded.values():
         for spec, _ in launches:
@@ -61,7 +69,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     compiled = dict(zip(specs, compile_specs([(s, target) for s in specs.values()])))
     kernels = {k: c.cubin for k, c in compiled.items()}
     kernel_meta = {k: {"name": c.name, "shared": c.shared, "num_warps": c.num_warps, "n_hidden": c.n_hidden,
-                       "global_scratch_size": c.global_scratch_size,
+                       "global_scratch_size": c.global_scratch_size, "pdl": bool(specs[k].constexprs.get("PDL")),
                        "signature": list(specs[k].signature.values())} for k, c in compiled.items()}
     plans = {}
     for b, launches in recorded.items():
@@ -75,6 +83,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     manifest = {
         "target": target, "config_hash": config_hash, "model_config": model_config,
         "block_size": block_size, "max_model_len": max_model_len, "batch_invariant": batch_invariant,
+        "pdl": bool(pdl),
         "kv_cache_dtype": graph.attrs.get("kv_cache_dtype"),
         "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,

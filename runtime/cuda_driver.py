@@ -47,6 +47,7 @@ class Kernel:
     shared: int  # dynamic shared memory bytes
     num_scratch: int = 2  # hidden pointer args Triton appends (global and profile scratch)
     scratch_size: int = 0  # global scratch bytes per program (e.g. TMA descriptors built on the device)
+    pdl: bool = False  # compiled for programmatic dependent launch (codegen/triton/pdl.py)
 
     def scratch_bytes(self, grid) -> int:
         """The global scratch a launch over `grid` needs: scratch_size bytes per program."""
@@ -130,7 +131,7 @@ class CudaContext:
 
     # -- modules and launches -------------------------------------------------------------
     def load_kernel(self, cubin: bytes, name: str, num_warps: int, shared: int, num_scratch: int = 2,
-                    scratch_size: int = 0) -> Kernel:
+                    scratch_size: int = 0, pdl: bool = False) -> Kernel:
         module = _check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         self._modules.append(module)
         fn = _check(self.drv.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
@@ -138,7 +139,25 @@ class CudaContext:
             _check(self.drv.cuFuncSetAttribute(
                 fn, self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
                 "cuFuncSetAttribute")
-        return Kernel(name, fn, num_warps, shared, num_scratch, scratch_size)
+        return Kernel(name, fn, num_warps, shared, num_scratch, scratch_size, pdl)
+
+    def pdl_config(self, kernel: Kernel, grid) -> Any:
+        """A launch config (for cuLaunchKernelEx) that lets `kernel` start while the kernel
+        before it on the stream finishes: the programmatic-stream-serialization attribute.
+        Only for a kernel compiled with PDL, which waits for its predecessor itself before
+        touching memory (codegen/triton/pdl.py). Built once per launch of a plan."""
+        drv = self.drv
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(d) for d in grid)
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 32 * kernel.num_warps, 1, 1
+        cfg.sharedMemBytes = kernel.shared
+        cfg.hStream = self.stream
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        return cfg
 
     def synchronize(self) -> None:
         _check(self.drv.cuStreamSynchronize(self.stream), "cuStreamSynchronize")

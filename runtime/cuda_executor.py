@@ -50,7 +50,8 @@ class CudaExecutor:
         self.num_blocks = self._alloc_states(m["states"], bases, num_blocks, gpu_memory_utilization)
         self.bases = bases
         self.kernels = {k: self.ctx.load_kernel(bundle.kernels[k], meta["name"], meta["num_warps"], meta["shared"],
-                                                meta["n_hidden"], meta.get("global_scratch_size", 0))
+                                                meta["n_hidden"], meta.get("global_scratch_size", 0),
+                                                meta.get("pdl", False))
                         for k, meta in m["kernels"].items()}
         # One global scratch buffer for every launch that needs one (the GEMMs that build TMA
         # descriptors on the device): launches run one after another on one stream, so they
@@ -129,7 +130,10 @@ class CudaExecutor:
             vals += hidden
             types += hidden_types
             g = tuple(grid) + (1,) * (3 - len(grid))
-            launches.append((kernel, g, (tuple(vals), tuple(types))))
+            # PDL kernels overlap their predecessor's tail (codegen/triton/pdl.py); a plan's
+            # first launch follows the step's input copy, not a kernel, and goes out plainly
+            cfg = self.ctx.pdl_config(kernel, g) if kernel.pdl and launches else None
+            launches.append((kernel, g, (tuple(vals), tuple(types)), cfg))
         return {"tokens": t, "seqs": s, "logits": l_, "decode": decode, "inputs": plan["inputs"],
                 "launches": launches, "name": f"{'d' if decode else 'm'}{t}x{s}"}
 
@@ -218,9 +222,12 @@ class CudaExecutor:
 
     def _launch_all(self, p: dict) -> None:
         drv, stream = self.ctx.drv, self.ctx.stream
-        for kernel, g, params in p["launches"]:
-            err, = drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
-                                      kernel.shared, stream, params, 0)
+        for kernel, g, params, cfg in p["launches"]:
+            if cfg is None:
+                err, = drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
+                                          kernel.shared, stream, params, 0)
+            else:
+                err, = drv.cuLaunchKernelEx(cfg, kernel.function, params, 0)
             if err != drv.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"launching {kernel.name} failed: {err}")
 
@@ -246,14 +253,14 @@ class CudaExecutor:
             ctx.record(b)
             ctx.replay(plain)  # keeps the GPU busy while the host queues the launches below
             ctx.record(events[0])
-            for i, (kernel, g, params) in enumerate(p["launches"]):
+            for i, (kernel, g, params, _) in enumerate(p["launches"]):  # plainly: events sit between
                 drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1, kernel.shared,
                                    ctx.stream, params, 0)
                 ctx.record(events[i + 1])
             ctx.synchronize()
             whole.append(ctx.elapsed_ms(a, b) * 1000)
             per += [ctx.elapsed_ms(events[i], events[i + 1]) * 1000 for i in range(len(per))]
-        names = [f"{k.name}{list(g)}" for k, g, _ in p["launches"]]
+        names = [f"{k.name}{list(g)}" for k, g, *_ in p["launches"]]
         return list(zip(names, (per / reps).tolist())), float(np.median(whole))
 
     def close(self) -> None:

@@ -133,9 +133,36 @@ def _compile_here(spec: KernelSpec, arch: str) -> Compiled:
     if n_hidden != n_scratch_fields:
         raise RuntimeError(f"{spec.kernel}: PTX has {n_params} params for {len(spec.signature)} args; "
                            f"expected {n_scratch_fields} hidden scratch pointers")
+    if spec.constexprs.get("PDL"):
+        check_pdl_order(k.asm["ptx"], md.name, spec.kernel)
     target = re.search(r"^\.target\s+(\S+)", k.asm["ptx"], re.MULTILINE).group(1).rstrip(",")
     return Compiled(bytes(k.asm["cubin"]), md.name, int(md.shared), int(md.num_warps), n_hidden,
                     int(md.global_scratch_size or 0), target)
+
+
+# PTX instructions that read or write memory other than the kernel's parameters, its shared
+# memory and its locals: global (and generic) loads and stores, atomics, async and bulk (TMA)
+# copies, prefetches, tensor-map writes.
+_MEM_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red|cp|prefetch|prefetchu|tensormap|multimem)\.[\w.:]*)",
+                     re.MULTILINE)
+_PRIVATE = ("ld.param", "ld.shared", "st.shared", "ld.local", "st.local", "cp.async.commit_group",
+            "cp.async.wait_group", "cp.async.bulk.commit_group", "cp.async.bulk.wait_group")
+
+
+def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
+    """A kernel compiled for programmatic dependent launch must wait for the kernel before it
+    (griddepcontrol.wait) before it touches memory that kernel may still be writing or
+    reading (codegen/triton/pdl.py): checked on the PTX, where the compiler could have
+    hoisted a load above the wait."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(.*?\)\s*(?:\.\w+[^{]*)?\{(.*)", ptx, re.DOTALL)
+    body = m.group(1) if m else ""
+    cut = body.find("griddepcontrol.wait")
+    if cut < 0:
+        raise RuntimeError(f"{kernel}: compiled with PDL=True but its PTX has no griddepcontrol.wait")
+    early = [op.group(1) for op in _MEM_OP.finditer(body[:cut]) if not op.group(1).startswith(_PRIVATE)]
+    if early:
+        raise RuntimeError(f"{kernel}: compiled with PDL=True but accesses memory before griddepcontrol.wait "
+                           f"({', '.join(sorted(set(early)))}); call pdl_enter first (codegen/triton/pdl.py)")
 
 
 def _count_ptx_params(ptx: str, name: str) -> int:

@@ -15,10 +15,13 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, ElementwiseConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, dtype_name,
                                         launch, shape_of, sig_type, strides_of)
+from kiln.codegen.triton.pdl import pdl_enter
 
 
 @triton.jit
-def argmax_kernel(x_ptr, out_ptr, n_rows_ptr, stride_x, V: tl.constexpr, BLOCK_V: tl.constexpr):
+def argmax_kernel(x_ptr, out_ptr, n_rows_ptr, stride_x, V: tl.constexpr, BLOCK_V: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (L,); x: [L, V] logits, out: i32[L]
     row = tl.program_id(0)
     if row >= tl.load(n_rows_ptr):

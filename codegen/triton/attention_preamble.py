@@ -28,6 +28,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, RowConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         check_shape, dtype_name, launch, next_pow2, shape_of, sig_type, strides_of)
+from kiln.codegen.triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -72,7 +73,8 @@ def attention_preamble_kernel(q_ptr, k_ptr, v_ptr, stride_qt, stride_kt, stride_
                               cache_ptr, stride_cb, stride_ckv, stride_cp, stride_ch, max_pos, eps, offset,
                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                               BS: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     t, hb = tl.program_id(0), tl.program_id(1)
     if t >= tl.load(n_rows_ptr):
         return

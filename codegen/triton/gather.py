@@ -13,11 +13,13 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, ElementwiseConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         dtype_name, launch, shape_of, sig_type, strides_of)
+from kiln.codegen.triton.pdl import pdl_enter
 
 
 @triton.jit
 def gather_rows_kernel(src_ptr, idx_ptr, out_ptr, n_rows_ptr, n_src, stride_s, stride_o,
-                       N: tl.constexpr, BLOCK: tl.constexpr):
+                       N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (L, cdiv(N, BLOCK)); src: [n_src, N], idx: i32[L], out: [L, N]
     i, pid = tl.program_id(0), tl.program_id(1)
     if i >= tl.load(n_rows_ptr):

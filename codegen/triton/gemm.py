@@ -29,6 +29,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, GemmReduction, GemmTile, with_tma
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         check_shape, dtype_name, launch, shape_of, sig_type, strides_of)
+from kiln.codegen.triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -49,7 +50,8 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
                 N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr):
+                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, SPLIT_K). Programs walk W's column
     # blocks with GROUP_M row blocks side by side, so the programs in flight share each W
     # tile through L2 (N-major order re-read all of W from HBM for every row block: at
@@ -105,7 +107,8 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
 @triton.jit
 def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
                        N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); sums the split-K partials in fixed order
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_rows_ptr):

@@ -195,7 +195,15 @@ class KernelSpec:
     def full_signature(self) -> dict[str, str]:
         """Signature for ASTSource: every kernel parameter, constexprs typed "constexpr"."""
         fn = kernel_fn(self)
-        return {a: ("constexpr" if a in self.constexprs else self.signature[a]) for a in fn.arg_names}
+        return {p.name: ("constexpr" if p.name in self.constexprs or p.is_constexpr else self.signature[p.name])
+                for p in fn.params}  # a constexpr the spec leaves out takes its default (PDL=False)
+
+    def with_pdl(self) -> KernelSpec:
+        """This launch compiled for programmatic dependent launch (pdl.py), where the kernel
+        has the PDL switch; unchanged otherwise."""
+        if "PDL" not in kernel_fn(self).arg_names or self.constexprs.get("PDL"):
+            return self
+        return dataclasses.replace(self, constexprs={**self.constexprs, "PDL": True})
 
 
 def kernel_fn(spec: KernelSpec):

@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kiln.codegen.triton.pdl import pdl_enter
+
 
 @triton.jit
 def _fold(M, Ls, ACC, m, l, acc):
@@ -205,7 +207,8 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
                            SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (q-block bound, or S for DECODE, HKV, MAX_SEGS if SPLIT else 1)
     pid, kvh, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if DECODE:  # one query per sequence: program pid serves sequence pid, no search
@@ -267,7 +270,8 @@ MERGE_CHUNK = tl.constexpr(16)  # segments a merge program unrolls (loads in fli
 @triton.jit
 def attention_merge_kernel(ws_acc_ptr, ws_ml_ptr, positions_ptr, n_rows_ptr, out_ptr, stride_ot, stride_oh, window,
                            H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                           SEG: tl.constexpr, MAX_SEGS: tl.constexpr):
+                           SEG: tl.constexpr, MAX_SEGS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (T, cdiv(H, BLOCK_H)); folds token t's segments in increasing order
     t, hb = tl.program_id(0), tl.program_id(1)
     if t >= tl.load(n_rows_ptr):

@@ -20,13 +20,16 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, RowConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_inner_contiguous, check_shape, dtype_name,
                                         launch, next_pow2, shape_of, sig_type, strides_of)
+from kiln.codegen.triton.pdl import pdl_enter
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n_rows_ptr,
                     stride_xt, stride_xr, stride_rt, stride_rr, stride_yt, stride_yr, stride_ot, stride_or,
                     stride_xs, eps, offset,
-                    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_SPLIT: tl.constexpr):
+                    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_SPLIT: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (T, R). x, res, y, res_out: [T, R, N]; w: [N] (its dtype is the storage dtype).
     # X_SPLIT > 0: x is a split-K GEMM's f32 partials [X_SPLIT, T, N] (stride_xs apart), summed
     # here exactly as gemm_reduce_kernel sums them (in order 0..S-1, then rounded), so the

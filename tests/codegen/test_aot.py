@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from kiln.codegen.triton.aot import compile_spec, compile_specs
+from kiln.codegen.triton.aot import check_pdl_order, compile_spec, compile_specs
 from kiln.codegen.triton.argmax import argmax_spec
 from kiln.codegen.triton.attention_preamble import attention_preamble_spec
 from kiln.codegen.triton.configs import DEFAULT, AttentionConfig, GemmReduction
 from kiln.codegen.triton.gather import gather_rows_spec
 from kiln.codegen.triton.gemm import gemm_specs
+from kiln.codegen.triton.launch import KernelSpec
 from kiln.codegen.triton.paged_attention_launch import paged_attention_specs
 from kiln.codegen.triton.rms_norm import rms_norm_spec
 from kiln.codegen.triton.silu_mul import silu_mul_spec
@@ -77,6 +78,36 @@ def test_every_kernel_compiles_for_both_archs(tmp_path):
     warm = time.perf_counter() - t0
     assert again == out
     assert warm < 0.05 * cold and warm < 2.0, f"cache hit took {warm:.3f}s for {len(jobs)} kernels"
+
+
+@pytest.mark.slow
+def test_pdl_kernels_wait_before_they_touch_memory(tmp_path):
+    """Every plan kernel compiled for programmatic dependent launch passes the compiler's
+    check (aot.check_pdl_order: no global load, store, TMA copy or descriptor write before
+    griddepcontrol.wait in the PTX), and a kernel that loads first is refused."""
+    jobs = [(spec.with_pdl(), "sm_90") for spec in all_specs()]
+    assert all(spec.constexprs["PDL"] for spec, _ in jobs)
+    out = compile_specs(jobs, cache_dir=tmp_path)  # raises on a kernel that breaks the rule
+    plain = compile_specs([(spec, "sm_90") for spec in all_specs()], cache_dir=tmp_path)
+    assert all(a.cubin != b.cubin for a, b in zip(out, plain, strict=True))
+    bad = KernelSpec(module="tests.codegen.pdl_bad_kernel", kernel="loads_before_wait_kernel",
+                     signature={"x_ptr": "*i32", "y_ptr": "*i32"}, constexprs={}, grid=(1,))
+    compile_spec(bad, "sm_90", cache_dir=tmp_path)  # without PDL nothing is checked
+    with pytest.raises(RuntimeError, match=r"loads_before_wait_kernel: compiled with PDL=True but accesses "
+                                           r"memory before griddepcontrol.wait \(ld\.global"):
+        compile_spec(bad.with_pdl(), "sm_90", cache_dir=tmp_path)
+
+
+def test_pdl_order_check_reads_the_entry_body():
+    head = ".visible .entry k(\n\t.param .u64 k_param_0\n)\n.reqntid 128\n{\n\tld.param.u64 %rd1, [k_param_0];\n"
+    check_pdl_order(head + "\tgriddepcontrol.wait;\n\tld.global.b32 %r1, [%rd1];\n}", "k", "k")
+    for early in ("\t@%p1 ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];\n", "\tst.global.b32 [%rd1], %r1;\n",
+                  "\tcp.async.bulk.tensor.2d.shared::cluster.global [%r1], [%rd1, {%r2, %r3}], [%r4];\n",
+                  "\ttensormap.replace.tile.global_address.global.b1024.b64 [%rd1], %rd2;\n"):
+        with pytest.raises(RuntimeError, match="before griddepcontrol.wait"):
+            check_pdl_order(head + early + "\tgriddepcontrol.wait;\n}", "k", "k")
+    with pytest.raises(RuntimeError, match="no griddepcontrol.wait"):
+        check_pdl_order(head + "}", "k", "k")
 
 
 def test_cache_hit_is_fast_and_keyed_by_the_spec(tmp_path):

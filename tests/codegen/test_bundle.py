@@ -36,6 +36,10 @@ def test_every_bucket_compiles_and_round_trips(arch, target, tmp_path):
     assert set(b.manifest["sampler"]) == {"processors", "sample", "logprobs", "copy_rows"}
     assert used | sampler == set(b.kernels)  # every launched kernel has its cubin, nothing extra
     assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    # every plan kernel overlaps its predecessor's tail (codegen/triton/pdl.py); the sampler's
+    # kernels run after the step's graph and are launched plainly
+    assert b.manifest["pdl"] is True
+    assert {k for k, meta in b.manifest["kernels"].items() if meta["pdl"]} == used - sampler
     b.write(tmp_path / "b")
     back = Bundle.read(tmp_path / "b", expect_target=target, expect_config_hash=cfg.compute_hash())
     assert back.manifest["plans"] == plans and back.kernels == b.kernels
