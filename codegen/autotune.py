@@ -308,6 +308,12 @@ def reductions(k: int) -> list[GemmReduction]:
             if (-(-k // bk) + s - 1) // s * bk * (s - 1) < k]
 
 
+# The tiles that rank the reductions at a weight's largest M (stage 1, objectives other
+# than decode): the wgmma tiles a 2,048-row prefill runs on the H200.
+PREFILL_TILES = [GemmTile(128, bn, 8, s) for bn in (128, 256) for s in (3, 4)]
+OBJECTIVES = ("balanced", "decode", "prefill")
+
+
 def tiles(m: int, *, wide: bool) -> list[GemmTile]:
     if m <= 16:  # a weight stream: narrow N, deep pipelines
         ns, warps, stages = (16, 32, 64), ((4,) if not wide else (2, 4, 8)), ((4,) if not wide else (3, 4, 5, 6))
@@ -349,7 +355,14 @@ class GemmTuner:
     def __init__(self, bench: Bench) -> None:
         self.bench, self.arch, self.progress = bench, bench.arch, bench.progress
 
-    def tune(self, problems: list[GemmProblem]) -> Schedules:
+    def tune(self, problems: list[GemmProblem], objective: str = "balanced") -> Schedules:
+        """objective: what a weight's reduction (BLOCK_K, split-K) is chosen for. Batch invariance
+        fixes it for every M, so the choice trades decode (smallest M, where split-K buys
+        programs) against prefill (largest M, where it costs f32 partials): "decode" and
+        "prefill" take the fastest at that end; "balanced" the smallest sum of the two
+        slowdowns against each end's fastest reduction."""
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown GEMM objective {objective!r} (known: {', '.join(OBJECTIVES)})")
         sched = Schedules(self.arch)
         rigs: dict[tuple, _GemmRig] = {}
 
@@ -358,21 +371,41 @@ class GemmTuner:
                 rigs[(p.n, p.k)] = _GemmRig(self.bench, p)
             return rigs[(p.n, p.k)]
 
-        # 1. per weight, at its smallest M: reduction knobs and tile together
-        trials = [Trial((p.n, p.k), (t, r), lambda p=p, t=t, r=r: [rig(p).timed(p.ms[0], t, r)])
-                  for p in problems for r in reductions(p.k) for t in tiles(p.ms[0], wide=False)]
-        self.progress(f"stage 1: {len(trials)} reduction x tile candidates at the smallest M of "
-                      f"{len(problems)} weights")
+        # 1. per weight and reduction: the best tile at its smallest M and, unless the objective
+        # is decode, at its largest; then the reduction the objective prefers
+        ends = {(p.n, p.k): [p.ms[0]] + ([p.ms[-1]] if objective != "decode" and p.ms[-1] > 64 else [])
+                for p in problems}
+        trials = [Trial((p.n, p.k, m, r), t, lambda p=p, m=m, t=t, r=r: [rig(p).timed(m, t, r)])
+                  for p in problems for r in reductions(p.k) for m in ends[(p.n, p.k)]
+                  for t in (tiles(m, wide=False) if m == p.ms[0] else PREFILL_TILES)]
+        self.progress(f"stage 1: {len(trials)} reduction x tile candidates at the smallest "
+                      f"{'' if objective == 'decode' else 'and largest '}M of {len(problems)} weights "
+                      f"(objective: {objective})")
         won = self.bench.best(trials)
         reds: dict[tuple, GemmReduction] = {}
         for p in problems:
-            w = won[(p.n, p.k)]
-            r = reds[(p.n, p.k)] = w.cand[1]
-            sched.entries.setdefault("gemm_reduction", []).append(
-                {"n": p.n, "k": p.k, "block_k": r.block_k, "split_k": r.split_k, "us": round(w.us, 2)})
+            at = ends[(p.n, p.k)]
+            cands = [r for r in reductions(p.k) if all((p.n, p.k, m, r) in won for m in at)]
+            us = {m: {r: won[(p.n, p.k, m, r)].us for r in cands} for m in at}
+            lo, hi = at[0], at[-1]
+            if objective == "decode" or hi == lo:
+                cost = us[lo]
+            elif objective == "prefill":
+                cost = us[hi]
+            else:
+                cost = {r: us[lo][r] / min(us[lo].values()) + us[hi][r] / min(us[hi].values()) for r in cands}
+            r = reds[(p.n, p.k)] = min(cands, key=cost.__getitem__)
+            entry = {"n": p.n, "k": p.k, "block_k": r.block_k, "split_k": r.split_k, "us": round(us[lo][r], 2)}
+            if hi != lo:
+                entry["prefill_us"] = round(us[hi][r], 2)
+            sched.entries.setdefault("gemm_reduction", []).append(entry)
             default = DEFAULT.gemm_tile(p.ms[0], p.n, p.k, self.arch)
-            self.progress(f"  [{p.n}, {p.k}] M={p.ms[0]}: block_k {r.block_k}, split_k {r.split_k}, "
-                          f"{w.us:.1f} us ({p.n * p.k * 2 / w.us / 1e6:.2f} TB/s of weight); default tile {default}")
+            self.progress(f"  [{p.n}, {p.k}] M={lo}: block_k {r.block_k}, split_k {r.split_k}, "
+                          f"{us[lo][r]:.1f} us ({p.n * p.k * 2 / us[lo][r] / 1e6:.2f} TB/s of weight); "
+                          f"default tile {default}")
+            for c in cands:
+                self.progress(f"    block_k {c.block_k} split_k {c.split_k}: "
+                              + ", ".join(f"M={m} {us[m][c]:.1f} us" for m in at))
         # 2. per weight and M: the tile, under the chosen reduction
         trials = [Trial((p.n, p.k, m), t, lambda p=p, m=m, t=t: [rig(p).timed(m, t, reds[(p.n, p.k)])])
                   for p in problems for m in p.ms for t in tiles(m, wide=True)]

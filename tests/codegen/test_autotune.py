@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kiln.codegen.autotune import DryBench, GemmTuner, Timed, Trial, _GemmRig, gemm_problems, reductions, tiles
+from kiln.codegen.autotune import (PREFILL_TILES, DryBench, GemmTuner, Timed, Trial, _GemmRig, gemm_problems,
+                                   reductions, tiles)
 from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
                                               attention_shapes, decode_candidates, decode_case, parse_case,
                                               prefill_candidates)
@@ -111,6 +112,37 @@ def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
     for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose
         c = specs_of(t)[0].constexprs
         assert (c["BLOCK_K"], c["SPLIT_K"]) == (64, 2)
+
+
+@pytest.mark.parametrize("objective,split", [("decode", 4), ("prefill", 1), ("balanced", 2)])
+def test_gemm_reduction_follows_the_objective(objective, split):
+    """Split-K buys decode programs and costs prefill partials; invariance allows one per
+    weight. Decode times (M=1) 10 / 8 / 7 us for split 1 / 2 / 4, prefill (M=2048) 100 / 110 /
+    200 us: decode alone takes 4, prefill alone 1, balanced 2 (slowdowns 8/7 + 1.1 against
+    10/7 + 1 and 1 + 2)."""
+    _, graph = tiny_graph(hidden_size=256, intermediate_size=8192, head_dim=64)
+    problems = [p for p in gemm_problems(graph, make_buckets(4, 2048)) if p.k == 8192]  # down (split-K 4 from 8,192)
+    assert problems and all(p.ms[0] == 1 and p.ms[-1] == 2048 for p in problems)
+    decode_us, prefill_us = {1: 10.0, 2: 8.0, 4: 7.0}, {1: 100.0, 2: 110.0, 4: 200.0}
+
+    def time_fn(timed):
+        c = specs_of(timed)[0].constexprs
+        if c["BLOCK_K"] != 64 or c["SPLIT_K"] not in decode_us:
+            return 1e6
+        rows = specs_of(timed)[0].grid[0] // cdiv(c["N"], c["BLOCK_N"]) * c["BLOCK_M"]
+        return (decode_us if rows <= 16 else prefill_us)[c["SPLIT_K"]]
+
+    bench = FakeBench(time_fn)
+    sched = GemmTuner(bench).tune(problems, objective=objective)
+    (entry,) = sched.entries["gemm_reduction"]
+    assert (entry["block_k"], entry["split_k"]) == (64, split)
+    assert entry["us"] == decode_us[split]
+    assert entry.get("prefill_us") == (None if objective == "decode" else prefill_us[split])
+    # stage 1 timed the largest M (on the prefill tiles) only when the objective needs it;
+    # every stage-2 timing then reduces as stage 1 chose
+    stage1 = len(reductions(8192)) * (len(tiles(1, wide=False)) + (objective != "decode") * len(PREFILL_TILES))
+    assert all(specs_of(t)[0].constexprs["SPLIT_K"] == split for t in bench.timed[stage1:])
+    assert len(bench.timed) == stage1 + sum(len(tiles(m, wide=True)) for m in problems[0].ms)
 
 
 def test_the_gemm_rig_times_the_kernels_a_bundle_runs():
