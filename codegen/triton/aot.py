@@ -140,13 +140,14 @@ def _compile_here(spec: KernelSpec, arch: str) -> Compiled:
                     int(md.global_scratch_size or 0), target)
 
 
-# PTX instructions that read or write memory other than the kernel's parameters, its shared
-# memory and its locals: global (and generic) loads and stores, atomics, async and bulk (TMA)
-# copies, prefetches, tensor-map writes.
+# PTX instructions that may touch memory another kernel writes: global (and generic) loads and
+# stores, atomics, async and bulk (TMA) copies, tensor-map writes; not the kernel's parameters,
+# shared memory or locals, nor prefetches, which only warm L2 (the GPU's point of coherence).
 _MEM_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red|cp|prefetch|prefetchu|tensormap|multimem)\.[\w.:]*)",
                      re.MULTILINE)
-_PRIVATE = ("ld.param", "ld.shared", "st.shared", "ld.local", "st.local", "cp.async.commit_group",
-            "cp.async.wait_group", "cp.async.bulk.commit_group", "cp.async.bulk.wait_group")
+_SAFE_BEFORE_WAIT = ("ld.param", "ld.shared", "st.shared", "ld.local", "st.local", "cp.async.commit_group",
+                     "cp.async.wait_group", "cp.async.bulk.commit_group", "cp.async.bulk.wait_group",
+                     "cp.async.bulk.prefetch", "prefetch")
 
 
 def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
@@ -159,7 +160,7 @@ def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
     cut = body.find("griddepcontrol.wait")
     if cut < 0:
         raise RuntimeError(f"{kernel}: compiled with PDL=True but its PTX has no griddepcontrol.wait")
-    early = [op.group(1) for op in _MEM_OP.finditer(body[:cut]) if not op.group(1).startswith(_PRIVATE)]
+    early = [op.group(1) for op in _MEM_OP.finditer(body[:cut]) if not op.group(1).startswith(_SAFE_BEFORE_WAIT)]
     if early:
         raise RuntimeError(f"{kernel}: compiled with PDL=True but accesses memory before griddepcontrol.wait "
                            f"({', '.join(sorted(set(early)))}); call pdl_enter first (codegen/triton/pdl.py)")
