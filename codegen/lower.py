@@ -195,15 +195,21 @@ class _Lowerer:
             # the variant that ignores invariance (to measure its cost): no split-K where M is large,
             # so a token's sums depend on whether it ran in a decode or a prefill bucket
             red = dataclasses.replace(red, split_k=1)
-        fuse = red.split_k > 1 and bias is None and self._reduced_by_norm(node.outputs[0])
+        m = out.shape[0]
+        tile = self.configs.gemm_tile(m, n, k, self.arch)
+        # folded split-K leaves no partials: its output is the reduced one, which the next norm
+        # reads as it would read gemm_reduce_kernel's (the same bits as the fused norm's sum,
+        # tests/codegen/test_lowering.py)
+        fold = self.configs.gemm_fold(m, n, k, tile, red, self.arch)
+        fuse = red.split_k > 1 and not fold and bias is None and self._reduced_by_norm(node.outputs[0])
         ws = None
-        if red.split_k > 1:
+        if red.split_k > 1 and not fold:
             if fuse and self.partials:
                 raise LoweringError(f"{node.name}: split-K partials of {list(self.partials)} are still unread")
-            ws = self.workspace("gemm_ws_fused" if fuse else "gemm_ws", (red.split_k, out.shape[0], n))
+            ws = self.workspace("gemm_ws_fused" if fuse else "gemm_ws", (red.split_k, m, n))
         k_gemm.gemm(self.buf(x), self.buf(w), self.buf(bias) if bias else None, out,
-                    n_rows=self.n_rows(node.outputs[0]), workspace=ws, red=red, configs=self.configs, arch=self.arch,
-                    reduce=not fuse)
+                    n_rows=self.n_rows(node.outputs[0]), workspace=ws, tile=tile, red=red, configs=self.configs,
+                    arch=self.arch, reduce=not fuse)
         if fuse:  # the next add_rms_norm sums the partials itself: one launch less per GEMM
             self.partials[node.outputs[0]] = (ws, red.split_k)
 

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 Lookup = Callable[[str, tuple], Mapping[str, Any] | None]
 
+SMS = {"sm_90": 132, "sm_121": 48}  # streaming multiprocessors: H200, GB10
+
 
 @dataclass(frozen=True)
 class GemmReduction:
@@ -42,6 +44,7 @@ class GemmTile:
     num_stages: int = 3
     group_m: int = 8  # row blocks that walk W's column blocks together (L2 reuse of W)
     tma: bool | None = None  # load x and w through TMA descriptors (same bits); None: with_tma's rule
+    fold: bool | None = None  # split-K added up inside each program (same bits); None: Configs.gemm_fold's rule
 
 
 def with_tma(tile: GemmTile, arch: str) -> GemmTile:
@@ -129,6 +132,21 @@ class Configs:
         else:  # H200, 4096^3: 578 TFLOP/s (128x128: 507)
             default = GemmTile(block_m=128, block_n=256, num_warps=8, num_stages=3)
         return with_tma(self._get("gemm_tile", (m, n, k, arch), default), arch)
+
+    def gemm_fold(self, m: int, n: int, k: int, tile: GemmTile, red: GemmReduction, arch: str = "sm_90") -> bool:
+        """Whether a split-K GEMM adds its splits inside each program (gemm.py FOLD) rather than
+        writing f32 partials for gemm_reduce_kernel or add_rms_norm: the same bits, without the
+        partials' round trip and the reduce launch. The tile's `fold` where a schedule or an A/B
+        flag sets it; else where the output tiles alone fill the GPU twice, so that the split's
+        extra programs are not needed to keep the SMs busy (e.g. Llama-3.1-8B's prefill of 2,048 tokens).
+        Never where a split is one K block (gemm.py says why)."""
+        blocks = -(-k // red.block_k)
+        if red.split_k == 1 or -(-blocks // red.split_k) < 2:  # K blocks per split, as gemm_specs cuts them
+            return False
+        if tile.fold is not None:
+            return tile.fold
+        tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+        return tiles >= 2 * SMS.get(arch, SMS["sm_90"])
 
     def attention(self, h: int, hkv: int, d: int, max_model_len: int | None = None) -> AttentionConfig:
         default = AttentionConfig()

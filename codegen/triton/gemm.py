@@ -9,6 +9,10 @@ argument (DESIGN "Invariance by construction"):
   multiply + tl.sum cannot match the tensor core's bits, so there is no such path.
 - split-K (SPLIT_K > 1) cuts K into fixed ranges per weight, each written as an f32
   partial; `gemm_reduce_kernel` sums partials in order 0..S-1, then adds the bias.
+  Where M gives enough tiles (prefill; Configs.gemm_fold), FOLD has each program
+  compute its tile's splits one after the other, each from zero, and add them in the
+  same order in registers: the same bits, no partials, no reduce launch.
+- TMA (sm_90, wgmma tiles) loads the same tiles through descriptors instead of pointers.
 - tile shape, warps and stages (GemmTile) only move elements between programs.
 So row i's output is the same bits for M=1 and M=37: tests/codegen proves it under
 the interpreter, test_triton_gpu.py on the GPU. Measured on the H200 (sm_90): decode
@@ -21,6 +25,8 @@ Padded rows: programs whose first row is >= *n_rows_ptr (the live token count, a
 device scalar) return at once; rows past it are garbage the graph never reads.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import triton
@@ -46,14 +52,44 @@ def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, k_start,
+               N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """The f32 sums of the tile at rows off_m, columns off_n over one K split [k_start,
+    k_start + K_PER_SPLIT), from zero: a split-K partial (or, unsplit, the whole sum).
+    TMA: x_desc, w_desc load the tiles; else the pointers do (the descriptors are None)."""
+    rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of x
+    rn = off_n + tl.arange(0, BLOCK_N)  # [BN] rows of w
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
+        k0 = k_start + kk
+        if TMA:
+            # The same tiles in the same K order, loaded by the tensor memory accelerator: no
+            # address math, no masks (the TMA unit zero-fills rows >= M and columns >= K, as
+            # the masks do), the copies issued asynchronously by one thread. Same bits as the
+            # pointer loads (the GPU test proves it).
+            a = x_desc.load([off_m, k0])  # [BM, BK]
+            b = w_desc.load([off_n, k0]).T  # [BK, BN]
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            a = tl.load(x_rows + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            b = tl.load(w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+        acc = _dot_acc(a, b, acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into the f32 accumulator
+    return acc
+
+
+@triton.jit
 def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
                 N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)  # before any global access (pdl.py)
-    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, SPLIT_K). Programs walk W's column
-    # blocks with GROUP_M row blocks side by side, so the programs in flight share each W
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K). Programs walk W's
+    # column blocks with GROUP_M row blocks side by side, so the programs in flight share each W
     # tile through L2 (N-major order re-read all of W from HBM for every row block: at
     # M = 2,048 that made a prefill GEMM memory-bound). One row block (decode): N-major,
     # W's rows spread over all SMs. Which program computes a tile never changes its sums.
@@ -67,34 +103,31 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
     pid_n = (pid % per_group) // size_m
     if pid_m * BLOCK_M >= tl.load(n_rows_ptr):
         return
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x and y
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of w, columns of y
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    if TMA and not INTERPRET:
-        # The same tiles in the same K order, loaded by the tensor memory accelerator through
-        # descriptors this program builds (in the launch's global scratch): no address math,
-        # no masks (the TMA unit zero-fills rows >= M and columns >= K, as the masks did), the
-        # copies issued asynchronously by one thread. Same bits as the pointer loads (the GPU
-        # test proves it). The interpreter takes the pointer path: its numpy model of the dot
-        # sums a transposed tile in another order, which would fake a difference.
+    # The interpreter takes the pointer path: its numpy model of the dot sums a transposed
+    # tile in another order, which would fake a difference.
+    tma: tl.constexpr = TMA and not INTERPRET
+    x_desc, w_desc = None, None
+    if tma:  # built by this program, in the launch's global scratch
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
-            a = x_desc.load([pid_m * BLOCK_M, k_start + kk])  # [BM, BK]
-            b = w_desc.load([pid_n * BLOCK_N, k_start + kk])  # [BN, BK]
-            acc = _dot_acc(a, b.T, acc, INTERPRET)
-    else:
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
-        w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
-        for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
-            rk = k_start + kk + tl.arange(0, BLOCK_K)  # [BK]
-            a = tl.load(x_rows + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            b = tl.load(w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-            acc = _dot_acc(a, b, acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into the f32 accumulator
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    # this program's split (FOLD: the first; its grid has one program per tile)
+    acc = _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, pid_k * K_PER_SPLIT,
+                     N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
+    if FOLD:
+        # The other splits, each from zero, added in order 1..S-1: gemm_reduce_kernel's
+        # `acc = p0; acc = acc + p1; ...` on the same f32 values, so the same bits, without the
+        # partials' round trip through memory or the reduce launch. (gemm_specs folds only
+        # splits of >= 2 K blocks: a one-block split is a bare dot(a, b, 0), and Triton's
+        # combine pass rewrites `acc + dot(a, b, 0)` into dot(a, b, acc), another rounding.)
+        for s in tl.static_range(1, SPLIT_K):
+            acc = acc + _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
+                                   N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
+    rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of y
+    rn = off_n + tl.arange(0, BLOCK_N)  # [BN] columns of y
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
+    if SPLIT_K == 1 or FOLD:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
@@ -129,10 +162,14 @@ def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
 def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat16", has_bias=False,
                stride_xm: int | None = None, stride_ym: int | None = None,
                tile: GemmTile, red: GemmReduction) -> list[KernelSpec]:
-    """The launches of one GEMM: the main kernel, plus the ordered reduce when split-K."""
+    """The launches of one GEMM: the main kernel, plus the ordered reduce when split-K, unless
+    the tile folds the splits into the main kernel (`tile.fold`, resolved: Configs.gemm_fold)."""
     xs, ys = stride_xm or k, stride_ym or n
     k_per_split = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k
     check(red.split_k == 1 or k_per_split * (red.split_k - 1) < k, "gemm: split_k leaves a split empty")
+    fold = bool(tile.fold) and red.split_k > 1
+    check(not fold or k_per_split >= 2 * red.block_k,
+          f"gemm: fold needs >= 2 K blocks per split (K={k}, block_k={red.block_k}, split_k={red.split_k})")
     t = sig_type
     # the hints launch.hint_ints would add (the autotuner compiles these specs directly)
     div = tuple(a for a, v in (("M", m), ("stride_xm", xs), ("stride_ym", ys)) if v % 16 == 0)
@@ -143,12 +180,12 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         module=__name__, kernel="gemm_kernel",
         signature={"x_ptr": t(x_dtype), "w_ptr": t(x_dtype), "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype),
                    "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
-        constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k,
+        constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k, FOLD=fold,
                         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k,
                         GROUP_M=tile.group_m, TMA=tma, INTERPRET=False),
-        grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, red.split_k),
+        grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, 1 if fold else red.split_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
-    if red.split_k == 1:
+    if red.split_k == 1 or fold:
         return [main]
     reduce = KernelSpec(
         module=__name__, kernel="gemm_reduce_kernel",
@@ -164,9 +201,11 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
          red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90", reduce: bool = True):
     """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
     out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
-    when split-K. numpy arrays in -> interpreter; device buffers in -> all must be given.
-    reduce=False (split-K only): leave the partials in the workspace for a consumer that
-    reduces them itself (add_rms_norm's x_split)."""
+    when split-K and not folded. numpy arrays in -> interpreter; device buffers in -> all must
+    be given. The tile (default configs.gemm_tile's) decides TMA loads and whether split-K is
+    folded into the main kernel (configs.gemm_fold; tile.fold=None: its rule): either way the
+    same bits. reduce=False (split-K only, not folded): leave the partials in the workspace for
+    a consumer that reduces them itself (add_rms_norm's x_split)."""
     x, w, bias, out, n_rows, workspace = map(as_buf, (x, w, bias, out, n_rows, workspace))
     (m, k), (n, k2) = shape_of(x), shape_of(w)
     check(k == k2, f"gemm: x has K={k}, w has K={k2}")
@@ -176,6 +215,8 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
     check_inner_contiguous(w, "gemm w", 2)
     red = red or configs.gemm_reduction(n, k)
     tile = with_tma(tile, arch) if tile else configs.gemm_tile(m, n, k, arch)
+    tile = replace(tile, fold=configs.gemm_fold(m, n, k, tile, red, arch))
+    check(reduce or not tile.fold, "gemm: reduce=False wants the split-K partials, but this tile folds them")
     if out is None:
         out = as_buf(np.empty((m, n), dtype=x.dtype))
     if n_rows is None:
@@ -185,7 +226,7 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
         check(dtype_name(bias) == dtype_name(x), "gemm: bias dtype differs from x")
     check_shape(out, (m, n), "gemm out")
     check_inner_contiguous(out, "gemm out")
-    if red.split_k > 1:
+    if red.split_k > 1 and not tile.fold:
         if workspace is None:
             check(getattr(out, "on_host", False), f"gemm: split_k={red.split_k} needs a device workspace "
                   f"f32[{red.split_k}, {m}, {n}]")

@@ -5,15 +5,18 @@ Every input is fresh random (never zeros), storage bf16, tolerances per DESIGN
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from kiln.codegen.triton import reference as R
 from kiln.codegen.triton.argmax import argmax
 from kiln.codegen.triton.attention_preamble import attention_preamble
-from kiln.codegen.triton.configs import GemmReduction, GemmTile
+from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
 from kiln.codegen.triton.gather import embedding, gather_rows
-from kiln.codegen.triton.gemm import gemm
+from kiln.codegen.triton.gemm import gemm, gemm_specs
+from kiln.codegen.triton.launch import recording
 from kiln.codegen.triton.rms_norm import add_rms_norm, rms_norm
 from kiln.codegen.triton.silu_mul import silu_mul
 from kiln.graph import ops
@@ -64,6 +67,72 @@ def test_gemm_row_is_invariant_to_batch(rng, split):
     assert same_bits(gemm(x, w, b, y(m), tile=DECODE, red=red), full)
     other = gemm(x, w, b, y(m), tile=PREFILL, red=GemmReduction(block_k=32, split_k=split))
     assert not same_bits(other, full), "the test cannot see a change of reduction order"
+
+
+@pytest.mark.parametrize("split,bias", [(2, True), (4, False)])
+def test_gemm_fold_gives_the_reduce_kernels_bits(rng, split, bias):
+    """FOLD: each program computes its tile's K splits one after the other, each from zero, and
+    adds them in order in f32: the same bits as the partials summed by gemm_reduce_kernel (f32
+    and bf16 out), in one launch. Decode rows (partials + reduce) match the folded prefill rows."""
+    m, n, k = 37, 96, 256
+    x, w = rand(rng, (m, k)), rand(rng, (n, k))
+    b = rand(rng, (n,)) if bias else None
+    red = GemmReduction(block_k=32, split_k=split)
+    unfolded, folded = replace(PREFILL, fold=False), replace(PREFILL, fold=True)
+    for dt in (np.float32, BF16):
+        want = gemm(x, w, b, np.empty((m, n), dt), tile=unfolded, red=red)
+        got = gemm(x, w, b, np.empty((m, n), dt), tile=folded, red=red)
+        assert same_bits(got, want), f"split {split}, {dt}: folding changed the bits"
+    row = gemm(x, w, b, np.empty((m, n), np.float32), tile=folded, red=red)[5]
+    one = gemm(x[5:6], w, b, np.empty((1, n), np.float32), tile=DECODE, red=red)
+    assert same_bits(one[0], row), "a decode row (partials + reduce) differs from the folded prefill's"
+    unsplit = gemm(x[5:6], w, b, np.empty((1, n), np.float32), tile=DECODE, red=GemmReduction(32, 1))
+    assert not same_bits(unsplit[0], row), "the test cannot tell the splits' sum from one chain over K"
+    with recording() as launches:  # and it was the fold that ran: one launch, one program per tile
+        gemm(x, w, b, np.empty((m, n), BF16), tile=folded, red=red)
+    (spec, _), = launches
+    assert spec.constexprs["FOLD"] and spec.grid == (2, 1, 1)  # 96 / 64 column tiles x 1 row tile
+
+
+def test_gemm_folds_by_the_configs_rule_and_never_a_one_block_split():
+    """Configs.gemm_fold: where the output tiles fill the GPU twice (132 SMs on sm_90), or as the
+    tile says; never a split of one K block, which Triton's combine pass would turn into
+    dot(a, b, acc) (another rounding than the reduce kernel's add)."""
+    red = GemmReduction(block_k=128, split_k=2)
+    tile = GemmTile(128, 128, 8, 3)
+    assert DEFAULT.gemm_fold(2048, 4096, 4096, tile, red)  # 16 x 32 = 512 tiles >= 264
+    assert not DEFAULT.gemm_fold(1024, 4096, 4096, tile, red)  # 256 tiles
+    assert not DEFAULT.gemm_fold(1, 6144, 4096, DEFAULT.gemm_tile(1, 6144, 4096), red)  # decode
+    assert not DEFAULT.gemm_fold(2048, 4096, 4096, tile, GemmReduction(128, 1))  # nothing to fold
+    assert not DEFAULT.gemm_fold(2048, 4096, 4096, replace(tile, fold=False), red)  # the tile's word
+    assert DEFAULT.gemm_fold(16, 64, 4096, replace(tile, fold=True), red)
+    assert not DEFAULT.gemm_fold(2048, 4096, 256, replace(tile, fold=True), red)  # 2 blocks, 1 per split
+    assert DEFAULT.gemm_fold(2048, 4096, 384, replace(tile, fold=True), red)  # 3 blocks: 2 + 1 (masked)
+    with pytest.raises(ValueError, match="fold needs >= 2 K blocks per split"):
+        gemm_specs(2048, 4096, 256, tile=replace(tile, fold=True), red=red)
+    # the fused norm's consumer asks for the partials: a folding tile cannot give them
+    x, w = np.zeros((4, 128), BF16), np.zeros((8, 128), BF16)
+    with pytest.raises(ValueError, match="reduce=False"):
+        gemm(x, w, tile=replace(PREFILL, fold=True), red=GemmReduction(32, 2), reduce=False)
+
+
+def test_folded_gemm_then_add_rms_norm_gives_the_fused_norms_bits(rng):
+    """Where split-K partials would go to add_rms_norm (x_split: summed in order in f32, rounded
+    to bf16, plus the residual in f32, rounded), a folded GEMM writes the bf16 sum itself and the
+    norm reads it: the same rounding at the same place, so the same normed rows and residual."""
+    t, n, k = 21, 96, 256
+    x, w, res, nw = rand(rng, (t, k)), rand(rng, (n, k)), rand(rng, (t, n)), rand(rng, (n,))
+    for split in (2, 4):
+        red = GemmReduction(block_k=32, split_k=split)
+        parts = np.empty((split, t, n), np.float32)
+        gemm(x, w, None, np.empty((t, n), BF16), workspace=parts, tile=replace(PREFILL, fold=False), red=red,
+             reduce=False)
+        want_y, want_r = add_rms_norm(parts, res.copy(), nw, eps=1e-5, x_split=split)
+        y = gemm(x, w, None, np.empty((t, n), BF16), tile=replace(PREFILL, fold=True), red=red)
+        got_y, got_r = add_rms_norm(y, res.copy(), nw, eps=1e-5)
+        assert same_bits(got_r, want_r) and same_bits(got_y, want_y), f"split {split}"
+        got_y, got_r = add_rms_norm(res, y, nw, eps=1e-5)  # the GEMM as the norm's second input
+        assert same_bits(got_r, want_r) and same_bits(got_y, want_y), f"split {split}, swapped"
 
 
 def test_gemm_strided_rows_and_padding(rng):
