@@ -19,6 +19,7 @@ from kiln.passes.pipeline import run_pipeline
 from kiln.passes.plan_memory import plan_memory
 from kiln.runtime.cpu_executor import CpuExecutor
 from kiln.runtime.input_batch import SeqChunk, prepare_step
+from tests.codegen.helpers import same_bits
 from tests.tiny_models import BASE
 
 NB, BS, MAX_LEN = 24, 16, 128
@@ -41,9 +42,15 @@ def _split_everything(op, key):
     return {"split_k": 2, "block_k": 16} if op == "gemm_reduction" else None
 
 
-@pytest.mark.parametrize("arch,split", [("Qwen3ForCausalLM", False), ("LlamaForCausalLM", False),
-                                        ("LlamaForCausalLM", True)])
-def test_lowered_plan_matches_numpy(arch, split):
+def _fold_mixed(op, key):
+    """_split_everything, and the GEMMs of more than 16 rows (the mixed bucket's) fold their
+    splits (gemm.py FOLD) through the tile's word, as bench/gpu_shape_decode.py --gemm-fold
+    sets it; decode keeps its partials. (Configs.gemm_fold's own rule folds only where the
+    tiles fill an H200 twice, far past a tiny model.)"""
+    return {"fold": key[0] > 16} if op == "gemm_tile" else _split_everything(op, key)
+
+
+def _model(arch):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "num_hidden_layers": 2,
                                     "max_position_embeddings": MAX_LEN})
     graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS))
@@ -54,39 +61,47 @@ def test_lowered_plan_matches_numpy(arch, split):
     for t in graph.weights:  # the stacked weights (q/k/v, gate/up), as the executor uploads them
         if t.parts:
             weights[t.name] = np.concatenate([weights[p] for p, _ in t.parts])
-    mb = MAX_LEN // BS
-    buckets = [Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]
-    plan = plan_memory(graph, {"T": 64, "S": 4, "S1": 5, "L": 4, "MB": mb})
-    regions = Regions()
-    regions.need("arena", plan.arena_bytes)
-    configs = Configs(lookup=_split_everything) if split else DEFAULT
-    lowered = {b: lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions, max_model_len=MAX_LEN,
-                               configs=configs) for b in buckets}
-    kernels = [spec.kernel for spec, _ in lowered[buckets[0]]]
-    if split:  # o_proj and down leave their reduce to the add_rms_norm after them (the last
-        # layer's down feeds the plain residual add before the final norm, and keeps it)
-        fused = sum(spec.constexprs.get("X_SPLIT", 0) == 2 for spec, _ in lowered[buckets[0]])
-        assert fused == 2 * cfg.num_hidden_layers - 1
-        assert kernels.count("gemm_reduce_kernel") + fused == kernels.count("gemm_kernel")
+    return cfg, graph, weights
 
-    ref = CpuExecutor(graph, weights.__getitem__, NB)
-    arrays = []
-    for name in regions.names:
-        kind, _, key = name.partition(":")
-        if kind == "weight":
-            arrays.append(weights[key].reshape(-1).view(np.uint8))
-        elif kind == "state":
-            arrays.append(np.zeros(ref.states[key].nbytes, np.uint8))
-        elif kind == "const":
-            arrays.append(np.ascontiguousarray(regions.consts[key]).reshape(-1).view(np.uint8))
-        else:
-            arrays.append(np.full(regions.sizes[name], 0xFF, np.uint8))  # NaN bytes: stale reads show
 
-    def step(bucket, chunks):
+BUCKETS = [Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]  # decode, mixed
+
+
+class _Plan:
+    """The graph lowered for BUCKETS with `configs`, run launch by launch on host buffers."""
+
+    def __init__(self, cfg, graph, weights, configs):
+        self.cfg, self.graph = cfg, graph
+        self.mb = MAX_LEN // BS
+        self.plan = plan_memory(graph, {"T": 64, "S": 4, "S1": 5, "L": 4, "MB": self.mb})
+        self.regions = regions = Regions()
+        regions.need("arena", self.plan.arena_bytes)
+        self.lowered = {b: lower_bucket(graph, self.plan, b, max_blocks_per_seq=self.mb, regions=regions,
+                                        max_model_len=MAX_LEN, configs=configs) for b in BUCKETS}
+        self.ref = CpuExecutor(graph, weights.__getitem__, NB)
+        self.arrays = []
+        for name in regions.names:
+            kind, _, key = name.partition(":")
+            if kind == "weight":
+                self.arrays.append(weights[key].reshape(-1).view(np.uint8))
+            elif kind == "state":
+                self.arrays.append(np.zeros(self.ref.states[key].nbytes, np.uint8))
+            elif kind == "const":
+                self.arrays.append(np.ascontiguousarray(regions.consts[key]).reshape(-1).view(np.uint8))
+            else:
+                self.arrays.append(np.full(regions.sizes[name], 0xFF, np.uint8))  # NaN bytes: stale reads show
+
+    def launches(self, bucket):
+        """[(spec, {argument name: value})] of the bucket's plan."""
+        return [(spec, dict(zip(spec.signature, args))) for spec, args in self.lowered[bucket]]
+
+    def step(self, bucket, chunks):
+        """-> (the plan's logits, the numpy executor's)"""
+        graph, regions, arrays = self.graph, self.regions, self.arrays
         inputs = prepare_step(chunks, BS)
-        want = ref.execute(inputs)["logits" if "logits" in graph.outputs else graph.outputs[0]]
+        want = self.ref.execute(inputs)["logits" if "logits" in graph.outputs else graph.outputs[0]]
         buf = arrays[regions.names.index("inputs")]
-        lay = input_layout(bucket, mb)
+        lay = input_layout(bucket, self.mb)
         s = len(inputs["seq_lens"])
         for name, (off, _, shape) in lay.items():
             v = buf[off: off + 4 * int(np.prod(shape))].view(np.int32).reshape(shape)
@@ -94,18 +109,62 @@ def test_lowered_plan_matches_numpy(arch, split):
             fill = {"slot_mapping": -1, "query_start_loc": int(inputs["query_start_loc"][s])}.get(name, 0)
             v[...] = fill
             v[tuple(slice(0, d) for d in arr.shape)] = arr
-        for spec, args in lowered[bucket]:
+        for spec, args in self.lowered[bucket]:
             launch(spec, [_host(a, arrays) for a in args])
         out = graph.tensors[graph.outputs[0]]
-        l_ = len(inputs["logits_indices"])
-        got = arrays[regions.names.index("arena")][plan.offsets[out.name]:].view(np.float32)[: l_ * cfg.vocab_size].reshape(l_, -1)
-        return got, want
+        n = len(inputs["logits_indices"])
+        arena = arrays[regions.names.index("arena")]
+        got = arena[self.plan.offsets[out.name]:].view(np.float32)[: n * self.cfg.vocab_size].reshape(n, -1)
+        return got.copy(), want
 
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 33, 17)]
-    blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
-    got, want = step(buckets[1], [SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])  # mixed bucket, padded
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
-    nxt = [int(t) for t in want.argmax(-1)]
-    got, want = step(buckets[0], [SeqChunk([t], len(p), b) for t, p, b in zip(nxt, prompts, blocks)])  # decode
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+    def prefill_then_decode(self):
+        """A padded mixed step of three prompts, then a decode step of their next tokens:
+        -> [(got, want)] for each, both checked against numpy."""
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, 256, n).tolist() for n in (5, 33, 17)]
+        blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+        mixed = self.step(BUCKETS[1], [SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
+        nxt = [int(t) for t in mixed[1].argmax(-1)]
+        decode = self.step(BUCKETS[0], [SeqChunk([t], len(p), b) for t, p, b in zip(nxt, prompts, blocks)])
+        for got, want in (mixed, decode):
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+        return mixed, decode
+
+
+@pytest.mark.parametrize("arch,split", [("Qwen3ForCausalLM", False), ("LlamaForCausalLM", False),
+                                        ("LlamaForCausalLM", True)])
+def test_lowered_plan_matches_numpy(arch, split):
+    cfg, graph, weights = _model(arch)
+    run = _Plan(cfg, graph, weights, Configs(lookup=_split_everything) if split else DEFAULT)
+    if split:  # o_proj and down leave their reduce to the add_rms_norm after them (the last
+        # layer's down feeds the plain residual add before the final norm, and keeps it)
+        kernels = [spec.kernel for spec, _ in run.lowered[BUCKETS[0]]]
+        fused = sum(spec.constexprs.get("X_SPLIT", 0) == 2 for spec, _ in run.lowered[BUCKETS[0]])
+        assert fused == 2 * cfg.num_hidden_layers - 1
+        assert kernels.count("gemm_reduce_kernel") + fused == kernels.count("gemm_kernel")
+    run.prefill_then_decode()
+
+
+def test_folded_plan_gives_the_split_plans_bits():
+    """The same model lowered with split-K everywhere, once with partials (reduced by
+    gemm_reduce_kernel, or by the add_rms_norm after o_proj and down) and once folded in the
+    mixed bucket's GEMMs: the logits of a mixed step and of the decode step after it are the
+    same bits. The fold replaces the fused norms' partial sums there, so this also proves that
+    the norm reading a folded GEMM's output rounds as the norm summing partials does."""
+    cfg, graph, weights = _model("LlamaForCausalLM")
+    split = _Plan(cfg, graph, weights, Configs(lookup=_split_everything))
+    fold = _Plan(cfg, graph, weights, Configs(lookup=_fold_mixed))
+    mixed = fold.launches(BUCKETS[1])
+    gemms = [(spec.constexprs["FOLD"], spec.grid[2], a["M"]) for spec, a in mixed if spec.kernel == "gemm_kernel"]
+    # q/k/v, o_proj, gate/up and down of every layer fold (one program per tile); the LM head
+    # runs on the 4 sampled rows and keeps its partials and reduce
+    assert [g for g in gemms if g[0]] == [(True, 1, 64)] * 4 * cfg.num_hidden_layers
+    assert [g for g in gemms if not g[0]] == [(False, 2, 4)]
+    assert [a["M"] for spec, a in mixed if spec.kernel == "gemm_reduce_kernel"] == [4]
+    assert not any(spec.constexprs.get("X_SPLIT") for spec, _ in mixed)
+    assert any(spec.constexprs.get("X_SPLIT") for spec, _ in split.launches(BUCKETS[1]))
+    assert [s for s, _ in fold.lowered[BUCKETS[0]]] == [s for s, _ in split.lowered[BUCKETS[0]]]  # decode
+    for (got, _), (want, _), what in zip(fold.prefill_then_decode(), split.prefill_then_decode(),
+                                         ("mixed", "decode")):
+        assert same_bits(got, want), f"{what} step: the folded plan's logits differ from the split plan's"
