@@ -57,9 +57,10 @@ TILES = {  # on sm_90: BLOCK_M 16 -> mma.sync; 64 and 128 -> wgmma
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemm_rows_invariant_across_tiles_and_instructions(split, tma):
-    """Every row's bits are the same whatever the tile, the MMA instruction, the batch, and
+    """Every row's bits are the same whatever the tile, the MMA instruction, the batch,
     whether the tiles come in through TMA descriptors or pointer loads (M = 300 is ragged:
-    the TMA unit zero-fills the rows past it, as the masks do)."""
+    the TMA unit zero-fills the rows past it, as the masks do), and whether split-K's
+    partials are added by the reduce kernel or inside the program (gemm.py FOLD)."""
     from kiln.codegen.triton.gemm import gemm
 
     rng = np.random.default_rng(0)
@@ -74,12 +75,16 @@ def test_gemm_rows_invariant_across_tiles_and_instructions(split, tma):
         gemm(dev(np.ascontiguousarray(x[rows])), dev(w), dev(b), out, n_rows=nr, workspace=ws, tile=tile, red=red)
         return host(out)
 
-    full = run(np.arange(m), dataclasses.replace(TILES["prefill"], tma=False))
+    full = run(np.arange(m), dataclasses.replace(TILES["prefill"], tma=False, fold=False))
     assert_close(full, ops.linear(x, w, b).astype(np.float32), what="gemm")
     for name, rows in (("decode", [7]), ("decode", [0, 1, 2]), ("mid", list(range(37))), ("prefill", [299]),
                        ("prefill", list(range(m)))):
-        got = run(np.array(rows), dataclasses.replace(TILES[name], tma=tma))
+        got = run(np.array(rows), dataclasses.replace(TILES[name], tma=tma, fold=False))
         assert same_bits(got, full[rows]), f"{name} tile, tma={tma}, M={len(rows)}: rows differ from M=300"
+    if split > 1:  # the splits added in the program instead of by the reduce kernel
+        for name, rows in (("mid", list(range(37))), ("prefill", [299]), ("prefill", list(range(m)))):
+            got = run(np.array(rows), dataclasses.replace(TILES[name], tma=tma, fold=True))
+            assert same_bits(got, full[rows]), f"{name} tile, tma={tma}, folded, M={len(rows)}: rows differ"
 
 
 def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
