@@ -3,7 +3,7 @@ compile time, load time (weights + KV cache + first-step graph capture), batch-1
 and one-prompt prefill speed.
 
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
-        [--prefill 2048] [--compile-only] [--json OUT]
+        [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -58,10 +58,28 @@ def _lookup(a):
         if op == "paged_attention" and (a.attn_block_q or a.attn_warps):
             return {k: v for k, v in (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps)) if v}
         found = sched.lookup(op, key) if sched else None
-        if op == "gemm_tile" and a.gemm_tma != "auto":  # A/B of the TMA loads (configs.with_tma)
-            return {**(found or {}), "tma": a.gemm_tma == "on"}
+        if op == "gemm_tile":  # A/Bs of the TMA loads (configs.with_tma) and of folded split-K (Configs.gemm_fold)
+            word = {**({"tma": a.gemm_tma == "on"} if a.gemm_tma != "auto" else {}),
+                    **({"fold": False} if a.gemm_fold == "off" else {})}
+            return {**(found or {}), **word} if word else found
         return found
     return lookup
+
+
+def largest_plan(bundle) -> dict:
+    """What the flags compiled into the bucket with the most tokens (a long prefill's): its
+    launches by kernel, and how many GEMMs run split-K as partials (grid z > 1) rather than
+    folded (with the tuned schedules, --gemm-fold auto leaves none of those at 2,048 tokens)."""
+    meta, plans = bundle.manifest["kernels"], bundle.manifest["plans"]
+    name = max(plans, key=lambda p: plans[p]["bucket"][0])
+    by: dict[str, int] = {}
+    partials = 0
+    for key, grid, _ in plans[name]["launches"]:
+        by[meta[key]["name"]] = by.get(meta[key]["name"], 0) + 1
+        partials += meta[key]["name"] == "gemm_kernel" and grid[2] > 1
+    print(f"plan {name}: {sum(by.values())} launches, {partials} GEMMs writing split-K partials; "
+          + ", ".join(f"{n} x{c}" for n, c in sorted(by.items())))
+    return {"bucket": name, "launches": sum(by.values()), "gemm_partials": partials, "by_kernel": by}
 
 
 def profile(ex, step, what: str = "decode") -> dict:
@@ -96,6 +114,9 @@ def main() -> None:
     ap.add_argument("--attn-block-q", type=int, help="paged attention query positions per program in prefill buckets")
     ap.add_argument("--gemm-tma", choices=("auto", "on", "off"), default="auto",
                     help="GEMM tiles load through TMA descriptors: auto = the arch's rule (sm_90, BLOCK_M >= 64)")
+    ap.add_argument("--gemm-fold", choices=("auto", "off"), default="auto",
+                    help="split-K GEMMs add their splits inside the program (same bits): auto = Configs.gemm_fold's "
+                    "rule (the tiles fill the GPU twice), off = never (partials + reduce, as before)")
     ap.add_argument("--pdl", choices=("auto", "off"), default="auto",
                     help="programmatic dependent launch for the plans' kernels (auto: on for sm_90)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
@@ -118,9 +139,11 @@ def main() -> None:
     res["tuned"] = not a.untuned
     res["pdl"] = bundle.manifest["pdl"]
     res["gemm_tma"] = a.gemm_tma
+    res["gemm_fold"] = a.gemm_fold
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
     print(f"compile: {res['compile_s']:.1f} s, {len(bundle.kernels)} kernels, {len(bundle.manifest['plans'])} buckets")
+    res["largest_plan"] = largest_plan(bundle)
     if a.compile_only:
         return _dump(a, res)
     from kiln.runtime.cuda_executor import CudaExecutor

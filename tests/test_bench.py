@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,28 @@ def test_plot_and_table(tmp_path):
     pytest.importorskip("matplotlib")
     assert plot_main([str(f), "--out", str(tmp_path / "server.png")]) == 0
     assert (tmp_path / "server.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("fold", ["auto", "off"])
+def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
+    """bench/gpu_shape_decode.py --gemm-fold compiles the model in-process with a Configs whose
+    gemm_tile lookup carries the flag: `off` keeps every split-K GEMM's partials, `auto` folds
+    those of the Llama-3.1-8B prefill where Configs.gemm_fold's rule says so (with the tuned
+    schedules: down, split-K 2 on 128x128 tiles at 2,048 tokens), never a decode step's. The
+    TMA flag still reaches the same tiles."""
+    from argparse import Namespace
+
+    from kiln.bench.gpu_shape_decode import _lookup
+    from kiln.codegen.triton.configs import Configs
+
+    args = Namespace(untuned=False, attn_block_q=None, attn_warps=None, gemm_tma="off", gemm_fold=fold)
+    configs = Configs(lookup=_lookup(args))
+    by_rule = []
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # q/k/v, o_proj, down
+        red = configs.gemm_reduction(n, k)
+        prefill, decode = configs.gemm_tile(2048, n, k), configs.gemm_tile(1, n, k)
+        by_rule.append(configs.gemm_fold(2048, n, k, replace(prefill, fold=None), red))
+        assert configs.gemm_fold(2048, n, k, prefill, red) is (fold == "auto" and by_rule[-1])
+        assert not configs.gemm_fold(1, n, k, decode, red)
+        assert prefill.tma is False
+    assert any(by_rule), "the tuned schedules leave the A/B nothing to fold"
