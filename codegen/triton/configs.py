@@ -137,8 +137,12 @@ class Configs:
         """Whether a split-K GEMM adds its splits inside each program (gemm.py FOLD) rather than
         writing f32 partials for gemm_reduce_kernel or add_rms_norm: the same bits, without the
         partials' round trip and the reduce launch. The tile's `fold` where a schedule or an A/B
-        flag sets it; else where the output tiles alone fill the GPU twice, so that the split's
-        extra programs are not needed to keep the SMs busy (e.g. Llama-3.1-8B's prefill of 2,048 tokens).
+        flag sets it. Else where
+        - the output tiles alone fill the GPU twice, so that the split's extra programs are not
+          needed to keep the SMs busy (e.g. Llama-3.1-8B's prefill of 2,048 tokens), and
+        - the running sum and the split's accumulator fit in registers side by side: at most 64
+          f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
+          folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
         Never where a split is one K block (gemm.py says why)."""
         blocks = -(-k // red.block_k)
         if red.split_k == 1 or -(-blocks // red.split_k) < 2:  # K blocks per split, as gemm_specs cuts them
@@ -146,7 +150,8 @@ class Configs:
         if tile.fold is not None:
             return tile.fold
         tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
-        return tiles >= 2 * SMS.get(arch, SMS["sm_90"])
+        acc_regs = tile.block_m * tile.block_n // (32 * tile.num_warps)  # one f32 [BM, BN] tile, per thread
+        return tiles >= 2 * SMS.get(arch, SMS["sm_90"]) and acc_regs <= 64
 
     def attention(self, h: int, hkv: int, d: int, max_model_len: int | None = None) -> AttentionConfig:
         default = AttentionConfig()

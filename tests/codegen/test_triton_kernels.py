@@ -95,13 +95,16 @@ def test_gemm_fold_gives_the_reduce_kernels_bits(rng, split, bias):
 
 
 def test_gemm_folds_by_the_configs_rule_and_never_a_one_block_split():
-    """Configs.gemm_fold: where the output tiles fill the GPU twice (132 SMs on sm_90), or as the
-    tile says; never a split of one K block, which Triton's combine pass would turn into
-    dot(a, b, acc) (another rounding than the reduce kernel's add)."""
+    """Configs.gemm_fold: where the output tiles fill the GPU twice (132 SMs on sm_90) and two
+    accumulators fit in registers, or as the tile says; never a split of one K block, which
+    Triton's combine pass would turn into dot(a, b, acc) (another rounding than the reduce
+    kernel's add)."""
     red = GemmReduction(block_k=128, split_k=2)
     tile = GemmTile(128, 128, 8, 3)
     assert DEFAULT.gemm_fold(2048, 4096, 4096, tile, red)  # 16 x 32 = 512 tiles >= 264
     assert not DEFAULT.gemm_fold(1024, 4096, 4096, tile, red)  # 256 tiles
+    assert not DEFAULT.gemm_fold(2048, 4096, 4096, replace(tile, block_n=256), red)  # 2 x 128 registers a thread
+    assert DEFAULT.gemm_fold(4096, 4096, 4096, GemmTile(64, 64, 4, 3), red)  # 2 x 32
     assert not DEFAULT.gemm_fold(1, 6144, 4096, DEFAULT.gemm_tile(1, 6144, 4096), red)  # decode
     assert not DEFAULT.gemm_fold(2048, 4096, 4096, tile, GemmReduction(128, 1))  # nothing to fold
     assert not DEFAULT.gemm_fold(2048, 4096, 4096, replace(tile, fold=False), red)  # the tile's word
