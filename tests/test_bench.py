@@ -127,11 +127,13 @@ def test_server_through_the_cli(tmp_path, tiny_ckpt, extra):
     assert "[kiln] server: output_tok_s" in proc.stdout
 
 
-def test_peer_in_the_same_run(tmp_path, tiny_ckpt):
+def test_peer_in_the_same_run(tmp_path, tiny_ckpt, monkeypatch):
+    monkeypatch.setenv("KILN_COMMIT", "0123456789ab")  # a shipped tree's commit: kiln and its peers both report it
     rec = run_bench(tmp_path, tiny_ckpt, "decode", "--peers", "hf-eager", "--repeats", "1")
     peer = rec["peers"]["hf-eager"]
     assert peer["engine"] == "transformers-eager" and peer["metric"] == "decode_tok_s" and peer["value"] > 0
     assert "--context 10 --steps 4" in peer["command"]
+    assert rec["commit"] == peer["commit"] == "0123456789ab"
 
 
 def test_peer_static_cache_compiled_step(tmp_path, tiny_ckpt):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -116,6 +117,10 @@ def prefill(model, prompt: torch.Tensor, device: str) -> float:
 
 
 def git_commit() -> str:
+    """As bench/workloads.py's: KILN_COMMIT when set (a copied tree's .git may be stale; build.py
+    bench runs this script with its own environment, so kiln and its peers report one commit)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
