@@ -4,8 +4,9 @@ scheduled while the kernel before it on the stream is still finishing.
 A bundle compiles every plan kernel with PDL=True (codegen/compile.py) and the executor
 launches them with the programmatic-stream-serialization attribute
 (runtime/cuda_executor.py). Then the next kernel's launch and the placing of its programs
-overlap this one's tail instead of following it: at batch 1 a decode step is ~290 small
-kernels back to back, and each boundary used to be a drain + launch + ramp.
+overlap this one's tail instead of following it. A batch-1 decode step is ~330 kernels back to
+back; on the H200 this took its graph from 4.45 to 4.39 ms (launch latency only: each kernel
+still starts its work after its predecessor ends).
 
 Correctness rests on one rule: a PDL kernel calls `pdl_enter` before it touches global
 memory at all, loads or stores (the GEMM's TMA descriptors, built in a scratch buffer
