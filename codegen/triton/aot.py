@@ -143,11 +143,11 @@ def _compile_here(spec: KernelSpec, arch: str) -> Compiled:
 # PTX instructions that may touch memory another kernel writes: global (and generic) loads and
 # stores, atomics, async and bulk (TMA) copies, tensor-map writes; not the kernel's parameters,
 # shared memory or locals, nor prefetches, which only warm L2 (the GPU's point of coherence).
-_MEM_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red|cp|prefetch|prefetchu|tensormap|multimem)\.[\w.:]*)",
+_MEM_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|atom|red|cp|tensormap|multimem)\.[\w.:]*)",
                      re.MULTILINE)
 _SAFE_BEFORE_WAIT = ("ld.param", "ld.shared", "st.shared", "ld.local", "st.local", "cp.async.commit_group",
                      "cp.async.wait_group", "cp.async.bulk.commit_group", "cp.async.bulk.wait_group",
-                     "cp.async.bulk.prefetch", "prefetch")
+                     "cp.async.bulk.prefetch")
 
 
 def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
