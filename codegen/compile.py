@@ -88,10 +88,11 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "regions": regions.names, "region_bytes": regions.sizes,
-        # name -> [dtype, shape] or [dtype, shape, [[part, rows], ...]]: a stacked weight (merged
-        # q/k/v, gate/up) is these checkpoint tensors one after another along axis 0
+        # name -> [dtype, shape] or [dtype, shape, [[part, rows], ...]] or [..., parts, G]: a
+        # stacked weight (merged q/k/v, gate/up) is these checkpoint tensors one after another
+        # along axis 0, or with G, interleaved in groups of G rows (graph/layout.py)
         "weights": {t.name: [str(t.dtype), list(t.shape)] + ([[list(p) for p in t.parts]] if t.parts else [])
-                    for t in graph.weights},
+                    + ([t.interleave] if t.interleave else []) for t in graph.weights},
         "states": {t.name: [str(t.dtype), [d if isinstance(d, int) else str(d) for d in t.shape]]
                    for t in graph.states},
         "logits": {"offset": plan.offsets[out_name], "dtype": str(graph.tensors[out_name].dtype),
@@ -117,7 +118,7 @@ def compile_bundle_cached(graph: Graph, *, cache_tag: str, cache_dir: str | Path
 
     h = hashlib.sha256()
     h.update(graph.dump().encode())
-    h.update(repr(sorted((t.name, t.parts) for t in graph.weights)).encode())
+    h.update(repr(sorted((t.name, t.parts, t.interleave) for t in graph.weights)).encode())
     h.update(json.dumps({k: v for k, v in kw.items() if k not in ("configs",)}, sort_keys=True, default=repr).encode())
     h.update(f"{cache_tag} triton {triton.__version__}".encode())
     here = Path(__file__).resolve().parent
