@@ -3,7 +3,8 @@ compile time, load time (weights + KV cache + first-step graph capture), batch-1
 and one-prompt prefill speed.
 
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
-        [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off] [--json OUT]
+        [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
+        [--fuse-silu auto|off] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -24,7 +25,7 @@ from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.reference_shapes import SHAPES
 from kiln.models.registry import get_graph_builder
-from kiln.passes.pipeline import run_pipeline
+from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.runtime.input_batch import SeqChunk, prepare_step
 from kiln.schedules import Schedules
 
@@ -64,6 +65,13 @@ def _lookup(a):
             return {**(found or {}), **word} if word else found
         return found
     return lookup
+
+
+def step_graph(cfg, fuse_silu: str = "auto"):
+    """The fused step graph; fuse_silu="off" leaves out passes/fuse_gate_up_silu.py (the MLP's
+    silu_mul a launch of its own after the gate/up GEMM, as before), for an in-process A/B."""
+    return run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16),
+                        default_passes(fuse_silu=fuse_silu == "auto"))
 
 
 def largest_plan(bundle) -> dict:
@@ -117,6 +125,9 @@ def main() -> None:
     ap.add_argument("--gemm-fold", choices=("auto", "off"), default="auto",
                     help="split-K GEMMs add their splits inside the program (same bits): auto = Configs.gemm_fold's "
                     "rule (the tiles fill the GPU twice), off = never (partials + reduce, as before)")
+    ap.add_argument("--fuse-silu", choices=("auto", "off"), default="auto",
+                    help="the MLP's silu_mul in the gate/up GEMM's epilogue (same bits; interleaved gate/up "
+                    "weight): auto = passes/fuse_gate_up_silu.py, off = a silu_mul launch after the GEMM, as before")
     ap.add_argument("--pdl", choices=("auto", "off"), default="auto",
                     help="programmatic dependent launch for the plans' kernels (auto: on for sm_90)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
@@ -129,7 +140,7 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
     res: dict = {"shape": a.shape, "batch_invariant": not a.no_batch_invariance}
     t0 = time.perf_counter()
-    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    graph = step_graph(cfg, a.fuse_silu)
     import dataclasses
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
@@ -140,6 +151,8 @@ def main() -> None:
     res["pdl"] = bundle.manifest["pdl"]
     res["gemm_tma"] = a.gemm_tma
     res["gemm_fold"] = a.gemm_fold
+    res["fuse_silu"] = a.fuse_silu
+    res["silu_fused_layers"] = sum(n.op == "linear_silu_mul" for n in graph.nodes.values())
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
     print(f"compile: {res['compile_s']:.1f} s, {len(bundle.kernels)} kernels, {len(bundle.manifest['plans'])} buckets")

@@ -26,7 +26,7 @@ import ctypes
 import math
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ml_dtypes
@@ -277,6 +277,7 @@ class GemmProblem:
     out_dtype: str
     has_bias: bool
     ms: list[int] = field(default_factory=list)  # the row counts to tune at
+    silu_group: int = 0  # > 0: the gate/up GEMM with the SwiGLU epilogue (linear_silu_mul), as the bundle runs it
 
 
 def gemm_problems(graph: Graph, buckets: list[Bucket]) -> list[GemmProblem]:
@@ -284,20 +285,21 @@ def gemm_problems(graph: Graph, buckets: list[Bucket]) -> list[GemmProblem]:
     of each bucket, reduced to the TUNED_MS that cover them."""
     found: dict[tuple, set[int]] = {}
     for node in graph.topo_order():
-        if node.op != "linear":
+        if node.op not in ("linear", "linear_silu_mul"):
             continue
         n, k = graph.tensors[node.inputs[1]].shape
         lead = graph.tensors[node.inputs[0]].shape[0]
         out = str(graph.tensors[node.outputs[0]].dtype)
         has_bias = len(node.inputs) > 2 and bool(node.inputs[2])
-        ms = found.setdefault((n, k, out, has_bias), set())
+        silu = node.attrs["group"] if node.op == "linear_silu_mul" else 0
+        ms = found.setdefault((n, k, out, has_bias, silu), set())
         for b in buckets:
             ms.add(b.logits if lead == "L" else b.tokens)
     probs = []
-    for (n, k, out, bias), ms in sorted(found.items()):
+    for (n, k, out, bias, silu), ms in sorted(found.items()):
         top = max(ms)
         cover = sorted({next((t for t in TUNED_MS if t >= m), top) for m in ms} | {top})
-        probs.append(GemmProblem(n, k, out, bias, [m for m in cover if m <= top]))
+        probs.append(GemmProblem(n, k, out, bias, [m for m in cover if m <= top], silu))
     return probs
 
 
@@ -345,10 +347,14 @@ class _GemmRig:
         if m not in self.n_rows:
             self.n_rows[m] = self.bench.buffer((1,), np.int32, [m])
         x = Buf(ptr=self.x.ptr, shape=(m, p.k), dtype=BF16)
-        y = Buf(ptr=self.y, shape=(m, p.n), dtype=self.out_dtype)
+        g = p.silu_group
+        y = Buf(ptr=self.y, shape=(m, p.n // 2 if g else p.n), dtype=self.out_dtype)
+        if g and tile.block_n % (2 * g):  # as codegen/lower.py op_linear_silu_mul widens it
+            tile = replace(tile, block_n=-(-tile.block_n // (2 * g)) * 2 * g)
         ws = Buf(ptr=self.ws, shape=(red.split_k, m, p.n), dtype=np.float32) if red.split_k > 1 else None
         return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
-                             workspace=ws, tile=tile, red=red, arch=self.bench.arch) for r in range(REPS)])
+                             workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g)
+                      for r in range(REPS)])
 
 
 class GemmTuner:
@@ -367,9 +373,9 @@ class GemmTuner:
         rigs: dict[tuple, _GemmRig] = {}
 
         def rig(p: GemmProblem) -> _GemmRig:
-            if (p.n, p.k) not in rigs:
-                rigs[(p.n, p.k)] = _GemmRig(self.bench, p)
-            return rigs[(p.n, p.k)]
+            if (p.n, p.k, p.silu_group) not in rigs:
+                rigs[(p.n, p.k, p.silu_group)] = _GemmRig(self.bench, p)
+            return rigs[(p.n, p.k, p.silu_group)]
 
         # 1. per weight and reduction: the best tile at its smallest M and, unless the objective
         # is decode, at its largest; then the reduction the objective prefers

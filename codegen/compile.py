@@ -23,6 +23,20 @@ TARGETS = {"sm_90": "sm_90", "sm_121": "sm_121"}
 PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
 
 
+def pdl_launches(launches: list) -> list:
+    """The plan's launches compiled for programmatic dependent launch (codegen/triton/pdl.py),
+    except a GEMM right behind another GEMM, which goes out plainly. Measured on the H200
+    (docs/GPU_NOTES.md): with the MLP's SiLU fused into gate/up, the down GEMM launched
+    early behind it made the batch-1 decode graph slower, 4.45 ms against 4.29 ms plain;
+    everywhere else the early launch helps (4.45 -> 4.39 ms when PDL came in)."""
+    out, prev = [], None
+    for spec, args in launches:
+        plain = prev is not None and prev.kernel == spec.kernel == "gemm_kernel"
+        out.append((spec if plain else spec.with_pdl(), args))
+        prev = spec
+    return out
+
+
 def plan_dims(buckets: list[Bucket], mb: int) -> dict[str, int]:
     """The dims the activation arena is planned for: every bucket's largest (one plan serves all)."""
     dims = {"T": max(b.tokens for b in buckets), "S": max(b.seqs for b in buckets),
@@ -55,7 +69,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     if pdl is None:
         pdl = target in PDL_TARGETS
     if pdl:  # the sampler's kernels (below) run after the graph, launched plainly
-        recorded = {b: [(spec.with_pdl(), args) for spec, args in launches] for b, launches in recorded.items()}
+        recorded = {b: pdl_launches(launches) for b, launches in recorded.items()}
     specs: dict[str, Any] = {}
     for launches in recorded.values():
         for spec, _ in launches:
@@ -88,10 +102,11 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "regions": regions.names, "region_bytes": regions.sizes,
-        # name -> [dtype, shape] or [dtype, shape, [[part, rows], ...]]: a stacked weight (merged
-        # q/k/v, gate/up) is these checkpoint tensors one after another along axis 0
+        # name -> [dtype, shape] or [dtype, shape, [[part, rows], ...]] or [..., parts, G]: a
+        # stacked weight (merged q/k/v, gate/up) is these checkpoint tensors one after another
+        # along axis 0, or with G, interleaved in groups of G rows (graph/layout.py)
         "weights": {t.name: [str(t.dtype), list(t.shape)] + ([[list(p) for p in t.parts]] if t.parts else [])
-                    for t in graph.weights},
+                    + ([t.interleave] if t.interleave else []) for t in graph.weights},
         "states": {t.name: [str(t.dtype), [d if isinstance(d, int) else str(d) for d in t.shape]]
                    for t in graph.states},
         "logits": {"offset": plan.offsets[out_name], "dtype": str(graph.tensors[out_name].dtype),
@@ -117,7 +132,7 @@ def compile_bundle_cached(graph: Graph, *, cache_tag: str, cache_dir: str | Path
 
     h = hashlib.sha256()
     h.update(graph.dump().encode())
-    h.update(repr(sorted((t.name, t.parts) for t in graph.weights)).encode())
+    h.update(repr(sorted((t.name, t.parts, t.interleave) for t in graph.weights)).encode())
     h.update(json.dumps({k: v for k, v in kw.items() if k not in ("configs",)}, sort_keys=True, default=repr).encode())
     h.update(f"{cache_tag} triton {triton.__version__}".encode())
     here = Path(__file__).resolve().parent

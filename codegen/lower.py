@@ -213,6 +213,28 @@ class _Lowerer:
         if fuse:  # the next add_rms_norm sums the partials itself: one launch less per GEMM
             self.partials[node.outputs[0]] = (ws, red.split_k)
 
+    def op_linear_silu_mul(self, node) -> None:
+        """The gate/up GEMM with the SwiGLU epilogue (passes/fuse_gate_up_silu.py): the same
+        reduction as op_linear's for this weight (split-K folded or not: whichever kernel stores
+        y applies the epilogue), so the same bits as linear + silu_mul in every bucket."""
+        x, w = node.inputs
+        g = node.attrs["group"]
+        if self.g.tensors[w].interleave != g:
+            raise LoweringError(f"{node.name}: weight {w} is not interleaved in groups of {g} rows")
+        out = self.buf(node.outputs[0])
+        n, k = self.g.tensors[w].shape
+        red = self.configs.gemm_reduction(n, k)
+        if not self.batch_invariant and not self.bucket.decode and red.split_k > 1:
+            red = dataclasses.replace(red, split_k=1)  # as op_linear's variant that ignores invariance
+        m = out.shape[0]
+        tile = self.configs.gemm_tile(m, n, k, self.arch)
+        if tile.block_n % (2 * g):  # a schedule knob: every tile must hold whole gate/up group pairs
+            tile = dataclasses.replace(tile, block_n=-(-tile.block_n // (2 * g)) * 2 * g)
+        fold = self.configs.gemm_fold(m, n, k, tile, red, self.arch)
+        ws = self.workspace("gemm_ws", (red.split_k, m, n)) if red.split_k > 1 and not fold else None
+        k_gemm.gemm(self.buf(x), self.buf(w), None, out, n_rows=self.n_rows(node.outputs[0]), workspace=ws,
+                    tile=tile, red=red, configs=self.configs, arch=self.arch, silu_group=g)
+
     def _reduced_by_norm(self, name: str) -> bool:
         users = self.users.get(name, [])
         return (len(users) == 1 and users[0].op == "add_rms_norm" and name in users[0].inputs[:2]

@@ -106,6 +106,30 @@ def silu_mul(gate, up):
     return _as(_silu(gate) * up.astype(_f32, copy=False), gate)
 
 
+def _infer_linear_silu_mul(ins, attrs):
+    x, w = ins
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear_silu_mul: x has K={x.shape[-1]}, weight {w.name} has K={w.shape[1]}")
+    g = attrs["group"]
+    if w.interleave != g or w.shape[0] % (2 * g):
+        raise ValueError(f"linear_silu_mul: weight {w.name} must be a gate/up stack interleaved in groups of "
+                         f"{g} rows (it has interleave={w.interleave}, {w.shape[0]} rows)")
+    return [(x.dtype, (*x.shape[:-1], w.shape[0] // 2))]
+
+
+@OPS.register("linear_silu_mul", inputs=2, infer=_infer_linear_silu_mul)
+def linear_silu_mul(x, w, *, group: int):
+    """silu_mul(gate, up) of linear(x, [Wg; Wu]), with w stored block-interleaved in groups of
+    `group` rows (graph/layout.py): [g x group, u x group, ...]. The GEMM's output is rounded
+    to x's dtype, its columns regrouped into gate and up, then silu_mul (passes/fuse_gate_up_silu.py)."""
+    y = linear(x, w)
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, -1, 2, group)
+    gate = np.ascontiguousarray(y[..., 0, :]).reshape(*lead, -1)
+    up = np.ascontiguousarray(y[..., 1, :]).reshape(*lead, -1)
+    return silu_mul(gate, up)
+
+
 def _infer_reshape(ins, attrs):
     return [(ins[0].dtype, tuple(attrs["shape"]))]
 

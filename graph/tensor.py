@@ -34,6 +34,9 @@ class Tensor:
     # A weight made at load time by stacking checkpoint tensors along axis 0, as
     # ((name, rows), ...) (passes/merge_parallel_linears.py: q/k/v -> qkv, gate/up -> gate_up).
     parts: tuple[tuple[str, int], ...] = ()
+    # > 0: the parts are stored block-interleaved in groups of this many rows (graph/layout.py;
+    # passes/fuse_gate_up_silu.py: gate/up for the GEMM's SwiGLU epilogue); 0: one after another
+    interleave: int = 0
 
     @property
     def rank(self) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln.errors import InvalidModelError
 from kiln.graph import Graph, TensorKind, to_numpy
+from kiln.graph.layout import stack_parts
 from kiln.graph.op import run_reference
 
 WeightLoader = Callable[[str], np.ndarray]
@@ -32,8 +33,10 @@ class CpuExecutor:
     @staticmethod
     def _load(t, load_weight: WeightLoader) -> np.ndarray:
         try:
-            # a stacked weight (passes/merge_parallel_linears.py) is its parts along axis 0
-            arr = np.concatenate([load_weight(p) for p, _ in t.parts]) if t.parts else load_weight(t.name)
+            # a stacked weight (passes/merge_parallel_linears.py) is its parts along axis 0, in
+            # groups of t.interleave rows where the SwiGLU fusion asked (graph/layout.py)
+            arr = (stack_parts([load_weight(p) for p, _ in t.parts], t.interleave) if t.parts
+                   else load_weight(t.name))
         except KeyError as e:
             raise InvalidModelError(f"weight {e.args[0]!r} is missing from the model files") from None
         if tuple(arr.shape) != tuple(t.shape):

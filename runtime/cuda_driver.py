@@ -9,12 +9,15 @@ each hold their own.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from kiln.errors import KilnError
+
+log = logging.getLogger(__name__)
 
 
 class CudaError(KilnError, RuntimeError):
@@ -110,6 +113,33 @@ class CudaContext:
         _check(self.drv.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
         if sync:
             self.synchronize()
+
+    def upload_2d(self, ptr: int, host: np.ndarray, *, width: int, height: int, dst_pitch: int) -> None:
+        """host (contiguous: `height` runs of `width` bytes) to `height` runs at ptr, ptr +
+        dst_pitch, ...: one cuMemcpy2DAsync on the stream, then a sync (as upload). An interleaved
+        stacked weight's part goes in with one call (runtime/cuda_executor.py)."""
+        host = np.ascontiguousarray(host)
+        assert host.nbytes == width * height and dst_pitch >= width
+        drv = self.drv
+        try:
+            p = drv.CUDA_MEMCPY2D()
+            p.srcMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_HOST
+            p.srcHost = host.ctypes.data
+            p.srcPitch = width
+            p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            p.dstDevice = ptr
+            p.dstPitch = dst_pitch
+            p.WidthInBytes = width
+            p.Height = height
+        except (AttributeError, TypeError) as e:  # a cuda-python whose struct differs: copy run by run
+            log.warning("CUDA_MEMCPY2D unusable (%s); uploading %d runs one by one", e, height)
+            for j in range(height):
+                _check(drv.cuMemcpyHtoDAsync(ptr + j * dst_pitch, host.ctypes.data + j * width, width, self.stream),
+                       "cuMemcpyHtoDAsync")
+            self.synchronize()
+            return
+        _check(drv.cuMemcpy2DAsync(p, self.stream), "cuMemcpy2DAsync")
+        self.synchronize()
 
     def download(self, ptr: int, out: np.ndarray) -> np.ndarray:
         assert out.flags["C_CONTIGUOUS"]

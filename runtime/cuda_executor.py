@@ -18,6 +18,7 @@ import numpy as np
 
 from kiln.errors import InvalidModelError
 from kiln.graph import DType, to_numpy
+from kiln.graph.layout import part_copies
 from kiln.runtime.bundle import Bundle, BundleError
 from kiln.runtime.cuda_driver import CudaContext
 
@@ -41,8 +42,8 @@ class CudaExecutor:
         self.mb = m["max_blocks_per_seq"]
         self.use_cuda_graphs = use_cuda_graphs
         bases: dict[str, int] = {}
-        for name, (dtype, shape, *parts) in m["weights"].items():
-            bases[f"weight:{name}"] = self._upload_weight(load_weight, name, dtype, shape, parts[0] if parts else None)
+        for name, (dtype, shape, *stack) in m["weights"].items():  # stack: [parts] or [parts, interleave]
+            bases[f"weight:{name}"] = self._upload_weight(load_weight, name, dtype, shape, *stack)
         for name, arr in bundle.consts.items():
             bases[f"const:{name}"] = self.ctx.to_device(arr)
         for name, nbytes in m["region_bytes"].items():
@@ -70,20 +71,26 @@ class CudaExecutor:
         self.graphs: dict[str, object] = {}
 
     # -- load ---------------------------------------------------------------------------
-    def _upload_weight(self, load_weight, name: str, dtype: str, shape, parts: list | None) -> int:
+    def _upload_weight(self, load_weight, name: str, dtype: str, shape, parts: list | None = None,
+                       interleave: int = 0) -> int:
         """One device buffer per weight; a stacked weight (merged q/k/v, gate/up) gets its
-        parts copied in at their row offsets, so no stacked host copy is ever made."""
+        parts copied in where graph/layout.py's part_copies puts them: at their row offsets, or
+        interleaved in groups of `interleave` rows (the gate/up GEMM's SwiGLU epilogue) by one
+        strided 2-D copy per part. No stacked host copy is ever made."""
         if not parts:
             return self.ctx.to_device(self._weight(load_weight, name, dtype, shape))
-        item = to_numpy(DType(dtype)).itemsize
-        ptr = self.ctx.malloc(item * int(np.prod(shape)))
-        row = 0
-        for part, rows in parts:
-            arr = self._weight(load_weight, part, dtype, [rows, *shape[1:]])
-            self.ctx.upload(ptr + row * item * int(np.prod(shape[1:])), arr)
-            row += rows
-        if row != shape[0]:
-            raise BundleError(f"the parts of {name!r} have {row} rows, the bundle says {shape[0]}")
+        rows = [r for _, r in parts]
+        if sum(rows) != shape[0]:
+            raise BundleError(f"the parts of {name!r} have {sum(rows)} rows, the bundle says {shape[0]}")
+        row_bytes = to_numpy(DType(dtype)).itemsize * int(np.prod(shape[1:]))
+        ptr = self.ctx.malloc(row_bytes * shape[0])
+        for (part, r), (dst, chunk, chunks, pitch) in zip(parts, part_copies(rows, interleave)):
+            arr = self._weight(load_weight, part, dtype, [r, *shape[1:]])
+            if chunks == 1:
+                self.ctx.upload(ptr + dst * row_bytes, arr)
+            else:
+                self.ctx.upload_2d(ptr + dst * row_bytes, arr, width=chunk * row_bytes, height=chunks,
+                                   dst_pitch=pitch * row_bytes)
         return ptr
 
     @staticmethod

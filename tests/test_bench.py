@@ -199,3 +199,16 @@ def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
         assert not configs.gemm_fold(1, n, k, decode, red)
         assert prefill.tma is False
     assert any(by_rule), "the tuned schedules leave the A/B nothing to fold"
+
+
+def test_gpu_shape_decode_fuse_silu_flag_picks_the_graph():
+    """bench/gpu_shape_decode.py --fuse-silu: `auto` compiles the Llama-3.1-8B graph with the
+    MLP's silu_mul in the gate/up GEMM's epilogue (interleaved weight), `off` the old graph with
+    a silu_mul launch per layer (an in-process A/B; the JSON records which)."""
+    from kiln.bench.gpu_shape_decode import SHAPES, step_graph
+    from kiln.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(SHAPES["llama-3.1-8b"])
+    for flag, fused in (("auto", 32), ("off", 0)):
+        ops = [n.op for n in step_graph(cfg, flag).nodes.values()]
+        assert ops.count("linear_silu_mul") == fused and ops.count("silu_mul") == 32 - fused

@@ -23,14 +23,17 @@ def test_pipeline_fuses_and_preserves_logits(tmp_path):
     ops = Counter(n.op for n in fused.nodes.values())
     # every norm after a residual add, the final norm too once the logits gather moved above it
     assert ops["add_rms_norm"] == 2 * 3 and ops["add"] == 0
-    assert ops["silu_mul"] == 3 and ops["silu"] == 0 and ops["mul"] == 0
+    # silu(gate) * up became silu_mul, then the gate/up GEMM's epilogue (fuse_gate_up_silu.py)
+    assert ops["linear_silu_mul"] == 3 and ops["silu_mul"] == ops["silu"] == ops["mul"] == 0
     assert ops["attention_preamble"] == 3 and ops["rope"] == ops["cache_write"] == 0
     assert ops["rms_norm"] == 1  # the first layer's input norm reads the embedding, no add before it
-    # q/k/v and gate/up each became one GEMM over a stacked weight, sliced back into views
-    assert ops["linear"] == 4 * 3 + 1 and ops["slice_cols"] == 5 * 3
+    # q/k/v and gate/up each became one GEMM over a stacked weight; q/k/v sliced back into views
+    assert ops["linear"] == 3 * 3 + 1 and ops["slice_cols"] == 3 * 3
     assert {t.name for t in fused.weights if t.parts} >= {"model.layers.0.self_attn.q_proj+k_proj+v_proj.weight",
                                                           "model.layers.2.mlp.gate_proj+up_proj.weight"}
+    assert {t.name: t.interleave for t in fused.weights if t.parts}["model.layers.2.mlp.gate_proj+up_proj.weight"] == 16
     assert (tmp_path / "04_fuse_add_rmsnorm.txt").read_text().count("add_rms_norm(") == 6
+    assert (tmp_path / "06_fuse_gate_up_silu.txt").read_text().count("linear_silu_mul(") == 3
     chunks = [SeqChunk(rng.integers(0, 256, n).tolist(), 0, [2 * i, 2 * i + 1]) for i, n in enumerate((3, 20, 9))]
     inputs = prepare_step(chunks, 16)
     a = CpuExecutor(ref_graph, weights.__getitem__, 8).execute(inputs)
@@ -38,3 +41,42 @@ def test_pipeline_fuses_and_preserves_logits(tmp_path):
     # not bit-equal: OpenBLAS blocks an f32 GEMM by its N, so the stacked q/k/v GEMM rounds
     # differently from three narrow ones (the GPU GEMM's per-element K order does not move)
     np.testing.assert_allclose(a["lm_head"], b["lm_head"], rtol=1e-5, atol=1e-6)
+
+
+def test_fuse_gate_up_silu_only_takes_the_plain_pattern():
+    """The SwiGLU epilogue fusion leaves a gate/up stack alone where something else reads the
+    stacked output or a half, and the CPU executor runs the fused graph (interleaved weight)
+    to the unfused graph's numbers."""
+    from kiln.graph import DType, Graph
+    from kiln.graph.ops import OPS
+    from kiln.graph.layout import stack_parts
+    from kiln.passes.fuse_gate_up_silu import FuseGateUpSilu
+    from kiln.passes.fuse_silu_mul import FuseSiluMul
+    from kiln.passes.merge_parallel_linears import MergeParallelLinears
+
+    def mlp(extra_use):
+        g = Graph(OPS, "mlp")
+        x = g.input("x", DType.bf16, ("T", 32))
+        wg, wu = g.weight("gate.weight", DType.bf16, (48, 32)), g.weight("up.weight", DType.bf16, (48, 32))
+        gate, up = g.call1("linear", x, wg, name="gate"), g.call1("linear", x, wu, name="up")
+        h = g.call1("mul", g.call1("silu", gate, name="silu"), up, name="mul")
+        g.mark_output(h, *([up] if extra_use else []))
+        for p in (MergeParallelLinears(), FuseSiluMul(), FuseGateUpSilu()):
+            p.run(g)
+            g.verify()
+        return g
+
+    plain, fused = mlp(True), mlp(False)
+    assert "linear_silu_mul" not in {n.op for n in plain.nodes.values()}
+    assert [n.op for n in fused.topo_order()] == ["linear_silu_mul"]
+    rng = np.random.default_rng(0)
+    w = {n: rng.standard_normal((48, 32)).astype(np.float32) for n in ("gate.weight", "up.weight")}
+    x = {"x": rng.standard_normal((5, 32)).astype(np.float32)}
+    a = CpuExecutor(plain, w.__getitem__, 1).execute(x)
+    b = CpuExecutor(fused, w.__getitem__, 1).execute(x)
+    np.testing.assert_array_equal(b[fused.outputs[0]], a[plain.outputs[0]])
+    (wt,) = [t for t in fused.weights if t.parts]
+    assert wt.parts == (("gate.weight", 48), ("up.weight", 48)) and wt.interleave == 16
+    stored = CpuExecutor(fused, w.__getitem__, 1).weights[wt.name]
+    np.testing.assert_array_equal(stored, stack_parts([w["gate.weight"], w["up.weight"]], 16)
+                                  .astype(stored.dtype))

@@ -21,6 +21,16 @@ warps) give identical rows, and so does BLOCK_K 32/64/128 (the tensor core chain
 k=16 steps either way); split-K does change the bits, hence one split per weight.
 sm_121 (mma.sync only) is not yet measured.
 
+SwiGLU epilogue (SILU_GROUP = G > 0, passes/fuse_gate_up_silu.py): w is the stacked gate/up
+weight [2I, K] stored block-interleaved, rows [g0..g(G-1), u0..u(G-1), gG.., uG.., ...]
+(graph/layout.py), so every tile of BLOCK_N (a multiple of 2G) columns holds matching gate and
+up columns. The epilogue rounds the f32 sums to y's dtype, as the plain GEMM's store would,
+splits each 2G-column group into its gate and up halves, and stores silu_mul's exact f32
+formula `g / (1 + exp(-g)) * u` on those rounded values: y is [M, I], tile pid_n writing
+columns pid_n * BLOCK_N / 2 on. Permuting columns moves no element's K sum, so the bits are
+gemm + silu_mul's, in every bucket (tests/codegen/test_triton_kernels.py). Split-K partials
+keep the interleaved columns; gemm_reduce_kernel applies the same epilogue after its sum.
+
 Padded rows: programs whose first row is >= *n_rows_ptr (the live token count, a
 device scalar) return at once; rows past it are garbage the graph never reads.
 """
@@ -82,11 +92,44 @@ def _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, k_start
 
 
 @triton.jit
+def _silu_mul_epilogue(acc, dtype: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       G: tl.constexpr):
+    """acc: f32 [BM, BN] over interleaved columns [g x G, u x G, g x G, ...] -> f32 [BM, BN / 2]
+    silu(g) * u, with g and u rounded to `dtype` first (the unfused GEMM's store) and then
+    silu_mul.py's formula, so the result rounds to silu_mul_kernel's bits."""
+    a = tl.reshape(acc, (BLOCK_M, BLOCK_N // (2 * G), 2, G))  # [BM, groups, gate|up, G]
+    a = tl.permute(a, (0, 1, 3, 2))  # [BM, groups, G, gate|up]
+    g, u = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_N // 2, 2)))
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, y_ptr, rm, off_n, M, stride_ym, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_GROUP: tl.constexpr):
+    """y = acc (+ bias), rounded to y's dtype; SILU_GROUP: the SwiGLU epilogue instead (no bias),
+    y having N / 2 columns."""
+    if SILU_GROUP:  # (None where a compiled spec leaves it out: off)
+        h = _silu_mul_epilogue(acc, y_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, SILU_GROUP)
+        ro = off_n // 2 + tl.arange(0, BLOCK_N // 2)  # [BN / 2] columns of y
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + ro[None, :]
+        tl.store(y, h.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (ro[None, :] < N // 2))
+    else:
+        rn = off_n + tl.arange(0, BLOCK_N)  # [BN] columns of y
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
                 N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                SILU_GROUP: tl.constexpr = 0):
     pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K). Programs walk W's
     # column blocks with GROUP_M row blocks side by side, so the programs in flight share each W
@@ -127,22 +170,19 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
             acc = acc + _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
                                    N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
     rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of y
-    rn = off_n + tl.arange(0, BLOCK_N)  # [BN] columns of y
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1 or FOLD:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:  # part: f32[SPLIT_K, M, N]
+        _store_tile(acc, bias_ptr, y_ptr, rm, off_n, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N, SILU_GROUP)
+    else:  # part: f32[SPLIT_K, M, N] (SILU_GROUP: still the interleaved columns; the reduce splits them)
+        rn = off_n + tl.arange(0, BLOCK_N)  # [BN] columns of the partials
         p = part_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-        tl.store(p, acc, mask=mask)
+        tl.store(p, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
 def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
                        N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+                       SILU_GROUP: tl.constexpr = 0):
     pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); sums the split-K partials in fixed order
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -155,18 +195,21 @@ def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc = acc + tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, bias_ptr, y_ptr, rm, pid_n * BLOCK_N, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N, SILU_GROUP)
 
 
 def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat16", has_bias=False,
                stride_xm: int | None = None, stride_ym: int | None = None,
-               tile: GemmTile, red: GemmReduction) -> list[KernelSpec]:
+               tile: GemmTile, red: GemmReduction, silu_group: int = 0) -> list[KernelSpec]:
     """The launches of one GEMM: the main kernel, plus the ordered reduce when split-K, unless
-    the tile folds the splits into the main kernel (`tile.fold`, resolved: Configs.gemm_fold)."""
-    xs, ys = stride_xm or k, stride_ym or n
+    the tile folds the splits into the main kernel (`tile.fold`, resolved: Configs.gemm_fold).
+    silu_group G > 0: the SwiGLU epilogue over a weight interleaved in groups of G rows (the
+    output has n / 2 columns); whichever kernel stores y applies it."""
+    xs, ys = stride_xm or k, stride_ym or (n // 2 if silu_group else n)
+    if silu_group:
+        check(not has_bias, "gemm: the SwiGLU epilogue takes no bias")
+        check(n % (2 * silu_group) == 0 and tile.block_n % (2 * silu_group) == 0 and 128 % (2 * silu_group) == 0,
+              f"gemm: the SwiGLU epilogue needs N ({n}) and BLOCK_N ({tile.block_n}) multiples of 2G = {2 * silu_group}")
     k_per_split = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k
     check(red.split_k == 1 or k_per_split * (red.split_k - 1) < k, "gemm: split_k leaves a split empty")
     fold = bool(tile.fold) and red.split_k > 1
@@ -184,7 +227,8 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
                    "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k, FOLD=fold,
                         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k,
-                        GROUP_M=tile.group_m, TMA=tma, INTERPRET=False),
+                        GROUP_M=tile.group_m, TMA=tma, INTERPRET=False,
+                        **({"SILU_GROUP": silu_group} if silu_group else {})),
         grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, 1 if fold else red.split_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
     if red.split_k == 1 or fold:
@@ -193,21 +237,25 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         module=__name__, kernel="gemm_reduce_kernel",
         signature={"part_ptr": "*fp32", "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype), "n_rows_ptr": "*i32",
                    "M": "i32", "stride_ym": "i32"},
-        constexprs=dict(N=n, HAS_BIAS=has_bias, SPLIT_K=red.split_k, BLOCK_M=32, BLOCK_N=128),
+        constexprs=dict(N=n, HAS_BIAS=has_bias, SPLIT_K=red.split_k, BLOCK_M=32, BLOCK_N=128,
+                        **({"SILU_GROUP": silu_group} if silu_group else {})),
         grid=(cdiv(n, 128), cdiv(m, 32)), num_warps=4, num_stages=1,
         divisible=("part_ptr", "bias_ptr", "y_ptr", "n_rows_ptr") + tuple(d for d in div if d != "stride_xm"))
     return [main, reduce]
 
 
 def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTile | None = None,
-         red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90", reduce: bool = True):
+         red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90", reduce: bool = True,
+         silu_group: int = 0):
     """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
     out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
     when split-K and not folded. numpy arrays in -> interpreter; device buffers in -> all must
     be given. The tile (default configs.gemm_tile's) decides TMA loads and whether split-K is
     folded into the main kernel (configs.gemm_fold; tile.fold=None: its rule): either way the
     same bits. reduce=False (split-K only, not folded): leave the partials in the workspace for
-    a consumer that reduces them itself (add_rms_norm's x_split)."""
+    a consumer that reduces them itself (add_rms_norm's x_split). silu_group G > 0: w is a
+    gate/up stack interleaved in groups of G rows (graph/layout.py) and out is
+    silu(gate) * up: [M, N / 2], the bits of this GEMM's gate and up columns through silu_mul."""
     x, w, bias, out, n_rows, workspace = map(as_buf, (x, w, bias, out, n_rows, workspace))
     (m, k), (n, k2) = shape_of(x), shape_of(w)
     check(k == k2, f"gemm: x has K={k}, w has K={k2}")
@@ -219,14 +267,16 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
     tile = with_tma(tile, arch) if tile else configs.gemm_tile(m, n, k, arch)
     tile = replace(tile, fold=configs.gemm_fold(m, n, k, tile, red, arch))
     check(reduce or not tile.fold, "gemm: reduce=False wants the split-K partials, but this tile folds them")
+    check(reduce or not silu_group, "gemm: reduce=False leaves no place for the SwiGLU epilogue")
+    n_out = n // 2 if silu_group else n
     if out is None:
-        out = as_buf(np.empty((m, n), dtype=x.dtype))
+        out = as_buf(np.empty((m, n_out), dtype=x.dtype))
     if n_rows is None:
         n_rows = as_buf(np.array([m], dtype=np.int32))
     if bias is not None:
         check_shape(bias, (n,), "gemm bias")
         check(dtype_name(bias) == dtype_name(x), "gemm: bias dtype differs from x")
-    check_shape(out, (m, n), "gemm out")
+    check_shape(out, (m, n_out), "gemm out")
     check_inner_contiguous(out, "gemm out")
     if red.split_k > 1 and not tile.fold:
         if workspace is None:
@@ -236,7 +286,8 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
         check_shape(workspace, (red.split_k, m, n), "gemm workspace")
         check_dtype(workspace, ("float32",), "gemm workspace")
     specs = gemm_specs(m, n, k, x_dtype=dtype_name(x), out_dtype=dtype_name(out), has_bias=bias is not None,
-                       stride_xm=strides_of(x)[0], stride_ym=strides_of(out)[0], tile=tile, red=red)
+                       stride_xm=strides_of(x)[0], stride_ym=strides_of(out)[0], tile=tile, red=red,
+                       silu_group=silu_group)
     b = bias if bias is not None else out  # unused when HAS_BIAS is False
     ws = workspace if workspace is not None else out
     launch(specs[0], [x, w, b, out, ws, n_rows, m, strides_of(x)[0], strides_of(out)[0]])

@@ -8,6 +8,7 @@ hence the slow marker.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -34,6 +35,13 @@ def all_specs():
         specs += gemm_specs(m, 6144, HID, has_bias=m == 64, tile=c.gemm_tile(m, 6144, HID),
                             red=c.gemm_reduction(6144, HID))
     specs += gemm_specs(T, HID, I, tile=c.gemm_tile(T, HID, I), red=GemmReduction(64, 4))  # + ordered reduce
+    # the SwiGLU epilogue on the interleaved gate/up stack: decode tile, 128x128 TMA, 128x256,
+    # folded split-K, and split-K with the epilogue in the reduce kernel
+    for m, red, fold in ((1, GemmReduction(64, 1), None), (512, GemmReduction(64, 1), None),
+                         (2048, GemmReduction(64, 1), None), (2048, GemmReduction(64, 2), True),
+                         (T, GemmReduction(64, 2), False)):
+        tile = replace(c.gemm_tile(m, 2 * I, HID), fold=fold)
+        specs += gemm_specs(m, 2 * I, HID, tile=tile, red=red, silu_group=16)
     specs += gemm_specs(S, V, HID, out_dtype="float32", tile=c.gemm_tile(S, V, HID), red=c.gemm_reduction(V, HID))
     specs.append(rms_norm_spec(T, 1, HID, has_residual=False, config=c.row("rms_norm", HID)))
     specs.append(rms_norm_spec(T, 1, HID, has_residual=True, config=c.row("rms_norm", HID)))

@@ -24,7 +24,7 @@ from kiln.codegen.triton.paged_attention_launch import attention_block_q
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
-from kiln.passes.pipeline import run_pipeline
+from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.passes.plan_memory import plan_memory
 from kiln.schedules import Schedules
 from tests.codegen.test_schedules import _sched
@@ -57,9 +57,12 @@ def specs_of(timed: Timed):
     return [s for s, _ in timed.reps[0]]
 
 
-def tiny_graph(**extra):
+def tiny_graph(fuse_silu=False, **extra):
+    """fuse_silu=False (the tuner tests' graph): silu_mul stays a launch, a row op to tune;
+    the gate/up GEMM's SwiGLU epilogue (fuse_silu=True) is the default pipeline's."""
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, **extra})
-    return cfg, run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    return cfg, run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16),
+                             default_passes(fuse_silu=fuse_silu))
 
 
 def lowered(graph, bucket: Bucket, buckets, max_model_len: int, configs=DEFAULT):
@@ -146,7 +149,7 @@ def test_gemm_reduction_follows_the_objective(objective, split):
 
 
 def test_the_gemm_rig_times_the_kernels_a_bundle_runs():
-    _, graph = tiny_graph(hidden_size=256, intermediate_size=512)
+    _, graph = tiny_graph(fuse_silu=True, hidden_size=256, intermediate_size=512)  # gate/up with its epilogue
     buckets = make_buckets(4, 64)
     bundle_keys = {cache_key(s, "sm_90") for b in buckets for s, _ in lowered(graph, b, buckets, 128)
                    if s.kernel.startswith("gemm")}
@@ -276,8 +279,9 @@ def test_row_candidates_touch_only_their_knobs(op, width):
 @pytest.mark.parametrize("extra", [{}, {"architectures": ["Qwen3ForCausalLM"]}])
 def test_row_ops_name_the_kernels_their_configs_reach(extra):
     """ROW_OPS says which kernel a Configs op configures: overriding the op changes those
-    launches and no others (the lowering is the oracle)."""
-    _, graph = tiny_graph(**extra)
+    launches and no others (the lowering is the oracle). The graph keeps its silu_mul launches
+    (fuse_silu=False): the default pipeline moves them into the gate/up GEMM's epilogue."""
+    _, graph = tiny_graph(fuse_silu=False, **extra)
     buckets = make_buckets(4, 64)
     base = lowered(graph, buckets[-1], buckets, 128)
     for op, ro in ROW_OPS.items():
@@ -300,7 +304,7 @@ def _rows_bench(bits_fn=lambda t: b"same"):
 
 
 def test_row_tuner_chooses_once_per_op_and_width_over_the_buckets():
-    cfg, graph = tiny_graph()
+    cfg, graph = tiny_graph(fuse_silu=False)  # with silu_mul launches to tune
     buckets = make_buckets(256, 2048)
     bench = _rows_bench()
     tuner = RowTuner(bench, graph, buckets, lookup=None, max_model_len=512, block_size=16)
@@ -327,7 +331,7 @@ def test_row_tuner_chooses_once_per_op_and_width_over_the_buckets():
 @pytest.mark.parametrize("arch,checked", [("LlamaForCausalLM", {"silu_mul", "gather_rows", "attention_preamble"}),
                                           ("Qwen3ForCausalLM", {"silu_mul", "gather_rows"})])  # q/k norm
 def test_row_bits_are_checked_where_the_knob_is_a_schedule_knob_only(arch, checked):
-    _, graph = tiny_graph(architectures=[arch])
+    _, graph = tiny_graph(fuse_silu=False, architectures=[arch])  # with silu_mul launches
 
     def bits(timed):  # every kernel gives other bits with other warps
         return str(specs_of(timed)[0].num_warps).encode()
@@ -371,9 +375,9 @@ def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_pat
     class Ctx:
         arch = 90
 
-    def bits(timed):  # buggy: silu_mul gives other bits with 8 warps
-        spec = specs_of(timed)[0]
-        return b"bug" if buggy and spec.kernel == "silu_mul_kernel" and spec.num_warps == 8 else b"ok"
+    def bits(timed):  # buggy: gather_rows gives other bits with 8 warps (the default pipeline leaves
+        spec = specs_of(timed)[0]  # no silu_mul launch: it is the gate/up GEMM's epilogue)
+        return b"bug" if buggy and spec.kernel == "gather_rows_kernel" and spec.num_warps == 8 else b"ok"
     monkeypatch.setattr(cuda_driver, "CudaContext", Ctx)
     monkeypatch.setattr(autotune, "Bench", lambda ctx, arch, progress: FakeBench(
         lambda t: sum(s.num_warps for s in specs_of(t)) + len(t.reps), bits))
@@ -385,13 +389,13 @@ def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_pat
                str(tmp_path / "schedules"), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert rc == (1 if buggy else 0)
-    assert len(errors) == buggy and all("changed the bits" in e and "silu_mul" in e for e in errors)
+    assert len(errors) == buggy and all("changed the bits" in e and "gather_rows" in e for e in errors)
     folder = tmp_path / "schedules" / "sm_90"
     assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "gemm.yaml", "rows.yaml"]
     assert (folder / "gemm.yaml").read_text() == gemm
     sched = Schedules.read("sm_90", tmp_path / "schedules")
-    assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS}
-    assert sched.entries["silu_mul"][0]["num_warps"] == 4  # the fewest warps, or the default's bits
+    assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS} - {"silu_mul"}
+    assert all(e["num_warps"] == 4 for e in sched.entries["gather_rows"])  # the fewest warps, or the default's bits
 
 
 def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkeypatch, capsys):
@@ -420,7 +424,7 @@ def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkey
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
     assert not (tmp_path / "schedules").exists()
     assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "attention_merge_kernel", "rms_norm_kernel",
-                     "attention_preamble_kernel", "silu_mul_kernel", "gather_rows_kernel"}
+                     "attention_preamble_kernel", "gather_rows_kernel"}  # silu_mul: the gate/up GEMM's epilogue
     assert "nothing timed, nothing written" in capsys.readouterr().err
 
 

@@ -15,7 +15,8 @@ from kiln.codegen.triton.launch import Buf, launch
 from kiln.graph import DType, to_numpy
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
-from kiln.passes.pipeline import run_pipeline
+from kiln.graph.layout import stack_parts
+from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.passes.plan_memory import plan_memory
 from kiln.runtime.cpu_executor import CpuExecutor
 from kiln.runtime.input_batch import SeqChunk, prepare_step
@@ -50,17 +51,18 @@ def _fold_mixed(op, key):
     return {"fold": key[0] > 16} if op == "gemm_tile" else _split_everything(op, key)
 
 
-def _model(arch):
+def _model(arch, fuse_silu=True):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "num_hidden_layers": 2,
                                     "max_position_embeddings": MAX_LEN})
-    graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS))
+    graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS),
+                         default_passes(fuse_silu=fuse_silu))
     rng = np.random.default_rng(0)
     weights = {n: (rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 1.5 / shape[-1] ** 0.5)
                    + (1.0 if n.endswith("norm.weight") else 0.0)).astype(to_numpy(DType.bf16))
                for n, shape in graph.checkpoint_weights().items()}
     for t in graph.weights:  # the stacked weights (q/k/v, gate/up), as the executor uploads them
         if t.parts:
-            weights[t.name] = np.concatenate([weights[p] for p, _ in t.parts])
+            weights[t.name] = stack_parts([weights[p] for p, _ in t.parts], t.interleave)
     return cfg, graph, weights
 
 
@@ -168,3 +170,29 @@ def test_folded_plan_gives_the_split_plans_bits():
     for (got, _), (want, _), what in zip(fold.prefill_then_decode(), split.prefill_then_decode(),
                                          ("mixed", "decode")):
         assert same_bits(got, want), f"{what} step: the folded plan's logits differ from the split plan's"
+
+
+@pytest.mark.parametrize("configs", ["default", "split", "fold"])
+def test_fused_swiglu_plan_gives_the_unfused_plans_bits(configs):
+    """passes/fuse_gate_up_silu.py: the gate/up GEMM with the SwiGLU epilogue over the
+    interleaved weight, against the graph without that pass (gate/up GEMM, then silu_mul on its
+    halves): the logits of a padded mixed step and of the decode step after it are the same
+    bits, with split-K off (default), split-K partials reduced by gemm_reduce_kernel's epilogue
+    (split) and split-K folded in the mixed bucket (fold). No silu_mul launch is left."""
+    lookup = {"default": None, "split": _split_everything, "fold": _fold_mixed}[configs]
+    cfg, fused_graph, fused_w = _model("LlamaForCausalLM")
+    _, plain_graph, plain_w = _model("LlamaForCausalLM", fuse_silu=False)
+    assert sum(n.op == "linear_silu_mul" for n in fused_graph.nodes.values()) == cfg.num_hidden_layers
+    assert not any(n.op == "linear_silu_mul" for n in plain_graph.nodes.values())
+    fused = _Plan(cfg, fused_graph, fused_w, Configs(lookup=lookup))
+    plain = _Plan(cfg, plain_graph, plain_w, Configs(lookup=lookup))
+    for b in BUCKETS:
+        kernels = [spec.kernel for spec, _ in fused.lowered[b]]
+        assert "silu_mul_kernel" not in kernels
+        assert len(fused.lowered[b]) == len(plain.lowered[b]) - cfg.num_hidden_layers
+        silu = [spec for spec, _ in fused.lowered[b] if spec.constexprs.get("SILU_GROUP")]
+        assert len(silu) == cfg.num_hidden_layers * (2 if configs == "split" or (configs == "fold" and b.decode)
+                                                     else 1)  # + the reduce kernel where split-K is not folded
+    for (got, _), (want, _), what in zip(fused.prefill_then_decode(), plain.prefill_then_decode(),
+                                         ("mixed", "decode")):
+        assert same_bits(got, want), f"{what} step: the fused SwiGLU plan's logits differ from the unfused plan's"

@@ -14,14 +14,15 @@ from kiln.codegen.triton.configs import DEFAULT, Configs, ElementwiseConfig, Gem
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
-from kiln.passes.pipeline import run_pipeline
+from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.schedules import Schedules, compiler_version
 from tests.tiny_models import BASE
 
 
-def _tiny_graph():
+def _tiny_graph(fuse_silu=True):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
-    return cfg, run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    return cfg, run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16),
+                             default_passes(fuse_silu=fuse_silu))
 
 
 def _sched(arch="sm_90"):
@@ -253,7 +254,7 @@ def test_compile_uses_tuned_attention_and_row_entries(tmp_path):
     """A schedules folder with attention and row entries: the bundle's kernels carry their knobs."""
     from kiln.codegen.triton.paged_attention_launch import attention_block_q
 
-    cfg, graph = _tiny_graph()
+    cfg, graph = _tiny_graph(fuse_silu=False)  # silu_mul a launch of its own, to carry its row entry
     h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     tuned = Schedules("sm_90", {

@@ -87,6 +87,38 @@ def test_gemm_rows_invariant_across_tiles_and_instructions(split, tma):
             assert same_bits(got, full[rows]), f"{name} tile, tma={tma}, folded, M={len(rows)}: rows differ"
 
 
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemm_silu_epilogue_gives_gemm_then_silu_mul_bits_on_gpu(split, tma):
+    """The SwiGLU epilogue (gemm silu_group=16 over the interleaved gate/up stack) against the
+    plain GEMM over [Wg; Wu] then silu_mul_kernel: the same bits for every tile and M (ragged
+    too), TMA or pointer loads, split-K folded or reduced (the reduce kernel's epilogue); so
+    the compiled exp/divide of the fused epilogue round as silu_mul_kernel's do."""
+    from kiln.codegen.triton.gemm import gemm
+    from kiln.codegen.triton.silu_mul import silu_mul
+    from kiln.graph.layout import stack_parts
+
+    rng = np.random.default_rng(0)
+    i, k = 1024, 1024
+    wg, wu = rand(rng, (i, k), scale=0.12), rand(rng, (i, k), scale=0.06)
+    plain, inter = dev(np.concatenate([wg, wu])), dev(stack_parts([wg, wu], 16))
+    red = GemmReduction(64, split)
+    for name, m in (("decode", 1), ("decode", 5), ("mid", 37), ("prefill", 300), ("prefill", 2048)):
+        x = dev(rand(rng, (m, k)))
+        folds = (False, True) if split > 1 and name != "decode" else (False,)
+        for fold in folds:
+            tile = dataclasses.replace(TILES[name], tma=tma, fold=fold)
+            ws = torch.empty((split, m, 2 * i), dtype=torch.float32, device="cuda")
+            nr = torch.tensor([m], dtype=torch.int32, device="cuda")
+            y = torch.empty((m, 2 * i), dtype=torch.bfloat16, device="cuda")
+            gemm(x, plain, None, y, n_rows=nr, workspace=ws, tile=tile, red=red)
+            want = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
+            silu_mul(y[:, :i], y[:, i:], want, n_rows=nr)
+            got = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
+            gemm(x, inter, None, got, n_rows=nr, workspace=ws, tile=tile, red=red, silu_group=16)
+            assert same_bits(host(got), host(want)), f"{name} tile, M={m}, tma={tma}, fold={fold}: bits differ"
+
 def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
     from kiln.codegen.triton.paged_attention_launch import paged_attention
 

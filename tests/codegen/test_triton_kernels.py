@@ -181,6 +181,63 @@ def test_silu_mul_on_gate_up_halves(rng):
     assert_close(silu_mul(gate, up), ops.silu_mul(np.ascontiguousarray(gate), np.ascontiguousarray(up)))
 
 
+
+# -- the SwiGLU epilogue (gemm silu_group) ------------------------------------------------
+
+def _gate_up(rng, i, k, scale=3.0):
+    """x and a gate/up pair whose products reach silu's curved part (|g| up to ~6)"""
+    return rand(rng, (i, k), scale=scale / k ** 0.5 * 2), rand(rng, (i, k), scale=1.0 / k ** 0.5 * 2)
+
+
+@pytest.mark.parametrize("tile,red", [
+    (DECODE, GemmReduction(32, 1)),
+    (PREFILL, GemmReduction(32, 1)),
+    (GemmTile(32, 128, 4, 3), GemmReduction(64, 1)),  # a tile wider than a 2G group pair, ragged N
+    (replace(PREFILL, fold=True), GemmReduction(32, 2)),  # folded split-K: epilogue in the main kernel
+    (replace(DECODE, fold=False), GemmReduction(32, 2)),  # partials: epilogue in the reduce kernel
+    (replace(PREFILL, fold=False), GemmReduction(32, 4)),
+])
+def test_gemm_silu_epilogue_gives_gemm_then_silu_mul_bits(rng, tile, red):
+    """gemm(x, interleaved [Wg; Wu], silu_group=16) is bit for bit gemm(x, [Wg; Wu]) then
+    silu_mul on its two halves (bf16 g and u, silu_mul's f32 formula), for ragged M and N
+    (I = 160: 320 stacked rows, not a multiple of the 128-column tile)."""
+    from kiln.graph.layout import stack_parts
+    i, k = 160, 256
+    wg, wu = _gate_up(rng, i, k)
+    plain, inter = np.concatenate([wg, wu]), stack_parts([wg, wu], 16)
+    for m in (1, 5, 37, 64):
+        x = rand(rng, (m, k))
+        y = gemm(x, plain, None, np.empty((m, 2 * i), BF16), tile=tile, red=red)
+        want = silu_mul(y[:, :i], y[:, i:])
+        got = gemm(x, inter, None, np.empty((m, i), BF16), tile=tile, red=red, silu_group=16)
+        assert same_bits(got, want), f"M={m}: the SwiGLU epilogue differs from gemm + silu_mul"
+    assert_close(got, ops.silu_mul(ops.linear(x, wg), ops.linear(x, wu)), what="gemm silu")
+    # the test sees a wrong layout: the plain stack through the epilogue mixes gate and up columns
+    bad = gemm(x, plain, None, np.empty((m, i), BF16), tile=tile, red=red, silu_group=16)
+    assert not same_bits(bad, want)
+
+
+def test_gemm_silu_epilogue_row_is_invariant_to_batch(rng):
+    """A row through the decode tile at M=1 and inside M=37 through the prefill tile: the same
+    bits (so a token's MLP does not depend on its bucket); and live rows only (n_rows)."""
+    from kiln.graph.layout import stack_parts
+    i, k = 96, 192
+    wg, wu = _gate_up(rng, i, k)
+    w = stack_parts([wg, wu], 16)
+    red = GemmReduction(64, 1)
+    x = rand(rng, (37, k))
+    full = gemm(x, w, None, np.empty((37, i), BF16), tile=PREFILL, red=red, silu_group=16)
+    for r in (0, 17, 36):
+        one = gemm(x[r:r + 1], w, None, np.empty((1, i), BF16), tile=DECODE, red=red, silu_group=16)
+        assert same_bits(one[0], full[r]), f"row {r} differs between M=1 and M=37"
+    out = np.full((37, i), np.nan, BF16)
+    gemm(x, w, None, out, n_rows=np.array([16], np.int32), tile=DECODE, red=red, silu_group=16)
+    assert same_bits(out[:16], full[:16]) and np.isnan(f32(out[16:])).all()
+    with pytest.raises(Exception, match="multiples of 2G"):
+        gemm(x, w, None, np.empty((37, i), BF16), tile=GemmTile(16, 16), red=red, silu_group=16)
+    with pytest.raises(Exception, match="no bias"):
+        gemm(x, w, rand(rng, (2 * i,)), np.empty((37, i), BF16), tile=DECODE, red=red, silu_group=16)
+
 # -- gathers and argmax ------------------------------------------------------------------
 
 def test_embedding_and_gather_rows(rng):
