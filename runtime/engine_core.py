@@ -22,6 +22,12 @@ scheduled later, which runs after it on the same thread. Full blocks are
 published to the prefix cache only up to a request's known tokens.
 When no request is left unfinished, the in-flight steps are waited for and
 dropped (their requests are all gone), so an idle engine runs nothing.
+
+On the GPU the runner goes further (ModelRunner.defer_outputs): execute_model
+returns once step N is queued, with its sampled ids still on the device, and
+step N+1's inputs get them there. The worker thread runs execute_model(N),
+execute_model(N+1), then collect(N), which waits for N's ids while N+1 is
+already queued behind it: the GPU never waits for the host between steps.
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ class EngineCore:
         # while another step was in flight; waited for with the next one
         self._side_futures: list[Future] = []
         self._worker: ThreadPoolExecutor | None = None
+        if self.async_scheduling:
+            runner.defer_outputs = True
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -115,6 +123,8 @@ class EngineCore:
             return []
         so, fut = q.popleft()
         runner_out = fut.result()
+        if not isinstance(runner_out, ModelRunnerOutput):  # still on the device: read on the worker,
+            runner_out = self._worker.submit(self.runner.collect, runner_out).result()  # after N+1 is queued
         if self._side_futures:
             self._check_side_futures()
         outputs = self._finish_step(so, runner_out)
@@ -140,6 +150,8 @@ class EngineCore:
         for f in self._side_futures:
             f.result()
         self._side_futures = []
+        if self._worker is not None and hasattr(self.runner, "flush"):
+            self._worker.submit(self.runner.flush).result()  # placeholders settle before rows are reused
 
     def shutdown(self) -> None:
         """Wait for the steps in flight and stop the worker thread (async scheduling)."""
