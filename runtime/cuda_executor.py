@@ -217,7 +217,8 @@ class CudaExecutor:
         """One step whose logits stay on the device: the bucket's plan as in execute(), then
         `sampler` (make_sampler) on the same stream over logits rows `rows`; only the sampled
         ids (and the logprobs asked for) come back. -> GpuSampler.sample's result."""
-        return sampler.collect(self.launch_and_sample(inputs, sampler, rows, metadata, seeds, prompt))
+        self._launch_step(inputs)
+        return sampler.sample(rows, metadata, seeds, prompt)
 
     def launch_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=(),
                           feed=None):

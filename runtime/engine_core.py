@@ -25,14 +25,14 @@ dropped (their requests are all gone), so an idle engine runs nothing.
 
 On the GPU the runner goes further (ModelRunner.defer_outputs): execute_model
 returns once step N is queued, with its sampled ids still on the device, and
-step N+1's inputs get them there. The worker thread runs execute_model(N),
-execute_model(N+1), then collect(N), which waits for N's ids while N+1 is
-already queued behind it: the GPU never waits for the host between steps.
+step N+1's inputs get them there. execute_model(N+1) queues N+1 and then reads
+N back (the GPU is busy with N+1 meanwhile), resolving N's PendingOutput; with
+no N+1 scheduled, the worker reads N back on its own (ModelRunner.collect).
 """
 from __future__ import annotations
 
 import collections
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable
 
 from kiln.runtime.model_runner import ModelRunner
@@ -123,14 +123,25 @@ class EngineCore:
             return []
         so, fut = q.popleft()
         runner_out = fut.result()
-        if not isinstance(runner_out, ModelRunnerOutput):  # still on the device: read on the worker,
-            runner_out = self._worker.submit(self.runner.collect, runner_out).result()  # after N+1 is queued
+        if not isinstance(runner_out, ModelRunnerOutput):  # a PendingOutput: read back on the worker
+            runner_out = self._collect(runner_out, q[0][1] if q else None)
         if self._side_futures:
             self._check_side_futures()
         outputs = self._finish_step(so, runner_out)
         if q and not sched.has_unfinished_requests():
             self._drain()
         return outputs
+
+    def _collect(self, pending, next_fut: Future | None) -> ModelRunnerOutput:
+        """The output of a step the runner returned before it ran: the next step, once queued,
+        reads it back (ModelRunner._execute_sampling_on_device); without one, ask the worker."""
+        if next_fut is not None:
+            wait([pending.future, next_fut], return_when=FIRST_COMPLETED)
+            if not pending.future.done():
+                next_fut.result()  # raises what the runner raised
+        if pending.future.done():
+            return pending.future.result()
+        return self._worker.submit(self.runner.collect, pending).result()
 
     def _check_side_futures(self) -> None:
         pending = []

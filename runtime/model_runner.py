@@ -10,6 +10,7 @@ with `execute(inputs) -> {name: logits}` and `num_blocks`: numpy now, CUDA later
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -61,6 +62,7 @@ class PendingOutput:
     prompt_lps: dict
     spots: list[tuple[int, int]]  # per sampled state: (index in its output ids, index in its batch row)
     output: ModelRunnerOutput | None = None
+    future: Future = field(default_factory=Future)  # resolved with `output` by ModelRunner.collect
 
 
 @dataclass
@@ -306,7 +308,7 @@ class ModelRunner:
         sample_idx = plan.sample_idx
         states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
         md = self._metadata(states) if states else None
-        while len(self._in_flight) > 1:  # the sampler keeps two steps' buffers: the oldest is read first
+        while len(self._in_flight) > 1:  # (the sampler keeps two steps' buffers)
             self.collect(self._in_flight[0])
         feed = None
         if self._in_flight:
@@ -335,6 +337,9 @@ class ModelRunner:
         self._in_flight.append(pending)
         if handle.host_gather:  # logprobs from raw rows a later step would overwrite: read them now
             self.collect(pending)
+        # the step before this one is read back now that this one is queued behind it
+        while len(self._in_flight) > 1:
+            self.collect(self._in_flight[0])
         return pending
 
     def _feed(self, plan: StepPlan, prev: PendingOutput):
@@ -369,6 +374,7 @@ class ModelRunner:
                         st.output_token_ids[oi] = tok
                         self.batch.token_ids[st.row, bi] = tok
             p.output = self._output(p.plan, p.sample_idx, p.states, out, p.prompt_lps, record=False)
+            p.future.set_result(p.output)
         return pending.output
 
     def flush(self) -> None:
