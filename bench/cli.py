@@ -48,7 +48,9 @@ FLAGS: list[tuple[str, dict]] = [
                       help="server: the streaming client (lean: raw HTTP/SSE; openai: the official client, "
                            "whose own parsing is the bottleneck at 128 streams)")),
     ("--no-offline", dict(action="store_true", help="server: skip the offline numbers at each concurrency")),
-    ("--async-scheduling", dict(action="store_true", help="schedule the next step while one executes (vLLM's flag)")),
+    ("--async-scheduling", dict(action=argparse.BooleanOptionalAction, default=None,
+                                help="schedule the next step while one executes (vLLM's flag; default: on for a "
+                                "GPU target, off on CPU)")),
     ("--no-progress", dict(action="store_true", help="no progress bars")),
 ]
 

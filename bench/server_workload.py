@@ -73,8 +73,8 @@ def start_server(a) -> tuple[subprocess.Popen, str, list[str]]:
     cmd = [sys.executable, str(BUILD), "serve", "--port", "0", "--served-model-name", SERVED_NAME,
            "--target", a.target, "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    if a.async_scheduling:
-        cmd.append("--async-scheduling")
+    if a.async_scheduling is not None:
+        cmd.append("--async-scheduling" if a.async_scheduling else "--no-async-scheduling")
     for flag, value in (("--model", a.model), ("--bundle", a.bundle), ("--kv-cache-tokens", a.kv_cache_tokens),
                         ("--kv-cache-dtype", a.kv_cache_dtype)):
         if value is not None:

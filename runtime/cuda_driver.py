@@ -147,6 +147,13 @@ class CudaContext:
         self.synchronize()
         return out
 
+    def download_async(self, ptr: int, out: np.ndarray) -> np.ndarray:
+        """Queue a copy into `out` (pinned, or the copy is synchronous) on the stream; read it
+        after an event recorded behind it has completed (event_sync)."""
+        assert out.flags["C_CONTIGUOUS"]
+        _check(self.drv.cuMemcpyDtoHAsync(out.ctypes.data, ptr, out.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        return out
+
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """Device to device, on the stream."""
         _check(self.drv.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
@@ -198,6 +205,14 @@ class CudaContext:
 
     def record(self, event) -> None:
         _check(self.drv.cuEventRecord(event, self.stream), "cuEventRecord")
+
+    def marker(self):
+        """An event for ordering only (no timing: cheaper to record and to wait on)."""
+        return _check(self.drv.cuEventCreate(2), "cuEventCreate")  # 2: CU_EVENT_DISABLE_TIMING
+
+    def event_sync(self, event) -> None:
+        """Wait for the work queued before `event`'s last record (the GIL is released meanwhile)."""
+        _check(self.drv.cuEventSynchronize(event), "cuEventSynchronize")
 
     def elapsed_ms(self, start, end) -> float:
         _check(self.drv.cuEventSynchronize(end), "cuEventSynchronize")

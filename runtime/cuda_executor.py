@@ -64,7 +64,14 @@ class CudaExecutor:
         self.plans = {name: self._resolve(p, ptr_of) for name, p in m["plans"].items()}
         self.buckets = sorted(self.plans.values(), key=lambda p: (p["tokens"], p["seqs"], not p["decode"]))
         # pinned staging: one async copy in per step, one copy of the sampled rows' logits out
-        self.host_inputs = self.ctx.host_alloc(m["region_bytes"]["inputs"])
+        # two pinned staging buffers for the step inputs, used in turn, each with a marker
+        # recorded behind its upload: a step can be staged while the one before is still queued
+        self._host_inputs = [self.ctx.host_alloc(m["region_bytes"]["inputs"]) for _ in range(2)]
+        self._staged = [self.ctx.marker() for _ in range(2)]
+        for e in self._staged:
+            self.ctx.record(e)
+        self._turn = 0
+        self.host_inputs = self._host_inputs[0]
         self.logits_offset, self.vocab = m["logits"]["offset"], m["logits"]["vocab"]
         max_rows = max(p["logits"] for p in self.plans.values())
         self.host_logits = self.ctx.host_alloc(max_rows * self.vocab * 4).view(np.float32).reshape(max_rows, -1)
@@ -154,7 +161,10 @@ class CudaExecutor:
                          f"(largest: {self.buckets[-1]['tokens']} tokens)")
 
     def _stage(self, p: dict, inputs: Mapping[str, np.ndarray]) -> int:
-        buf = self.host_inputs
+        """Write the step's inputs into the next pinned staging buffer (self.host_inputs),
+        once the upload that last read it has run. -> bytes to upload."""
+        self.ctx.event_sync(self._staged[self._turn])
+        buf = self.host_inputs = self._host_inputs[self._turn]
         s_live = len(inputs["seq_lens"])
 
         def put(name: str, arr: np.ndarray, fill: int) -> None:
@@ -210,13 +220,27 @@ class CudaExecutor:
         self._launch_step(inputs)
         return sampler.sample(rows, metadata, seeds, prompt)
 
-    def _launch_step(self, inputs: Mapping[str, np.ndarray]) -> None:
+    def launch_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=(),
+                          feed=None):
+        """execute_and_sample without waiting: -> the GpuSampler handle to collect. feed:
+        (handle of the step before, its sampled rows, token positions in this step's
+        input_ids): those input ids are the ids that step sampled, copied on the device after
+        the upload (the host staged placeholders there)."""
+        self._launch_step(inputs, sampler=sampler, feed=feed)
+        return sampler.launch(rows, metadata, seeds, prompt)
+
+    def _launch_step(self, inputs: Mapping[str, np.ndarray], sampler=None, feed=None) -> None:
         """execute() up to the logits download: stage, upload, the bucket's launches (or graph)."""
         t, s, l_ = len(inputs["input_ids"]), len(inputs["seq_lens"]), len(inputs["logits_indices"])
         p = self._pick(t, s, l_)
         nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
         ctx = self.ctx
         ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes], sync=False)
+        ctx.record(self._staged[self._turn])
+        self._turn ^= 1
+        if feed is not None:
+            prev, src_idx, dst_idx = feed
+            sampler.feed(prev.ids_dev, src_idx, self.bases["inputs"] + p["inputs"]["input_ids"][0], dst_idx)
         if p["decode"] and self.use_cuda_graphs:
             graph = self.graphs.get(p["name"])
             if graph is None:

@@ -22,11 +22,17 @@ scheduled later, which runs after it on the same thread. Full blocks are
 published to the prefix cache only up to a request's known tokens.
 When no request is left unfinished, the in-flight steps are waited for and
 dropped (their requests are all gone), so an idle engine runs nothing.
+
+On the GPU the runner goes further (ModelRunner.defer_outputs): execute_model
+returns once step N is queued, with its sampled ids still on the device, and
+step N+1's inputs get them there. execute_model(N+1) queues N+1 and then reads
+N back (the GPU is busy with N+1 meanwhile), resolving N's PendingOutput; with
+no N+1 scheduled, the worker reads N back on its own (ModelRunner.collect).
 """
 from __future__ import annotations
 
 import collections
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable
 
 from kiln.runtime.model_runner import ModelRunner
@@ -49,6 +55,8 @@ class EngineCore:
         # while another step was in flight; waited for with the next one
         self._side_futures: list[Future] = []
         self._worker: ThreadPoolExecutor | None = None
+        if self.async_scheduling:
+            runner.defer_outputs = True
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -115,12 +123,25 @@ class EngineCore:
             return []
         so, fut = q.popleft()
         runner_out = fut.result()
+        if not isinstance(runner_out, ModelRunnerOutput):  # a PendingOutput: read back on the worker
+            runner_out = self._collect(runner_out, q[0][1] if q else None)
         if self._side_futures:
             self._check_side_futures()
         outputs = self._finish_step(so, runner_out)
         if q and not sched.has_unfinished_requests():
             self._drain()
         return outputs
+
+    def _collect(self, pending, next_fut: Future | None) -> ModelRunnerOutput:
+        """The output of a step the runner returned before it ran: the next step, once queued,
+        reads it back (ModelRunner._execute_sampling_on_device); without one, ask the worker."""
+        if next_fut is not None:
+            wait([pending.future, next_fut], return_when=FIRST_COMPLETED)
+            if not pending.future.done():
+                next_fut.result()  # raises what the runner raised
+        if pending.future.done():
+            return pending.future.result()
+        return self._worker.submit(self.runner.collect, pending).result()
 
     def _check_side_futures(self) -> None:
         pending = []
@@ -140,6 +161,8 @@ class EngineCore:
         for f in self._side_futures:
             f.result()
         self._side_futures = []
+        if self._worker is not None and hasattr(self.runner, "flush"):
+            self._worker.submit(self.runner.flush).result()  # placeholders settle before rows are reused
 
     def shutdown(self) -> None:
         """Wait for the steps in flight and stop the worker thread (async scheduling)."""

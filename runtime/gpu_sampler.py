@@ -57,8 +57,26 @@ class _Pinned:
             return
         cap = max(nbytes, 2 * self.cap)
         if self.dev:
-            self.ctx.free(self.dev)  # the previous step is complete: sample() ends with a sync
+            self.ctx.free(self.dev)  # its last step is complete (GpuSampler._claim waited for it)
         self.host, self.dev, self.cap = self.ctx.host_alloc(cap), self.ctx.malloc(cap), cap
+
+
+@dataclass
+class SampleHandle:
+    """A GpuSampler.launch() queued on the stream and not yet read back (collect)."""
+    slot: int
+    B: int
+    k: Optional[int]
+    gpu_k: bool
+    kp: int
+    gpu_kp: bool
+    o_off: dict
+    host: np.ndarray  # the pinned bytes the copy back lands in
+    prompt: list
+    on_gpu: list
+    p_out: list
+    ids_dev: int  # i32[B] on the device: the sampled ids, the next step's feed source
+    host_gather: bool  # logprobs gathered from raw rows on the host: collect before the next launch
 
 
 def _layout(specs: dict[str, tuple[np.dtype, int]]) -> tuple[dict[str, int], int]:
@@ -78,7 +96,14 @@ class GpuSampler:
         self._rng = np.random.default_rng(seed)  # keys of unseeded rows (the numpy Sampler's only state)
         self._roles = {role: (kernels[s["kernel"]], s["args"], manifest["kernels"][s["kernel"]]["signature"])
                        for role, s in manifest["sampler"].items()}
-        self._in, self._out = _Pinned(ctx), _Pinned(ctx)
+        # Two sets of pinned buffers (inputs, outputs, feed indices), one per step in flight,
+        # each with a marker recorded behind its step's copy back.
+        self._ins, self._outs, self._feeds = ([_Pinned(ctx), _Pinned(ctx)] for _ in range(3))
+        self._events = [ctx.marker(), ctx.marker()]
+        for e in self._events:
+            ctx.record(e)
+        self._pending: list[Optional[SampleHandle]] = [None, None]
+        self._turn, self._claimed = 0, None
         self._raw, self._raw_rows = 0, 0  # f32[rows, V] raw copies of sampled rows
 
     # -- one step -------------------------------------------------------------------------
@@ -86,6 +111,14 @@ class GpuSampler:
                prompt: Sequence[PromptJob] = ()) -> tuple[Optional[SamplerOutput], list[Optional[LogprobsTensors]]]:
         """rows[b]: the logits row of sampled request b (md's row b); seeds[b]: its
         SamplingParams.seed. -> (SamplerOutput or None without rows, prompt logprobs per job)."""
+        return self.collect(self.launch(rows, md, seeds, prompt))
+
+    def launch(self, rows: Sequence[int], md: Optional[SamplingMetadata], seeds: Sequence[Optional[int]] = (),
+               prompt: Sequence[PromptJob] = ()) -> "SampleHandle":
+        """sample() up to the copy back, queued on the stream: -> a handle for collect(). Two
+        steps may be in flight (each has its own pinned buffers); a third launch needs the
+        first one collected. The sampled ids stay on the device at handle.ids_dev for
+        feed() into the next step's inputs."""
         B, V = len(rows), self.vocab
         if B and (md is None or md.batch_size != B or md.vocab_size != V):
             raise ValueError(f"{B} sampled rows over a vocabulary of {V} do not match the sampling metadata")
@@ -96,16 +129,18 @@ class GpuSampler:
         P = sum(len(prompt[i].targets) for i in on_gpu)
         gpu_kp = P > 0
 
-        staged = self._stage(rows, md, seeds, [prompt[i] for i in on_gpu])
-        out_specs = {"ids": (np.int32, B)}
+        slot = self._claim()
+        staged = self._stage(slot, rows, md, seeds, [prompt[i] for i in on_gpu])
+        out_specs = {"ids": (np.int32, max(B, 1))}
         if gpu_k:
             out_specs.update(lp_ids=(np.int32, B * (k + 1)), lp=(np.float32, B * (k + 1)), lp_rank=(np.int32, B * (k + 1)))
         if gpu_kp:
             out_specs.update(p_ids=(np.int32, P * (kp + 1)), p_lp=(np.float32, P * (kp + 1)),
                              p_rank=(np.int32, P * (kp + 1)))
         o_off, o_bytes = _layout(out_specs)
-        self._out.reserve(o_bytes)
-        out = {n: self._out.dev + off for n, off in o_off.items()}
+        ob = self._outs[slot]
+        ob.reserve(o_bytes)
+        out = {n: ob.dev + off for n, off in o_off.items()}
         stride = V
 
         if k is not None:  # raw copies before the processors write the rows
@@ -134,11 +169,21 @@ class GpuSampler:
             self._launch("logprobs", B, logits_ptr=self._raw, row_idx_ptr=staged["iota"], tok_ptr=out["ids"],
                          tok_idx_ptr=staged["iota"], ids_ptr=out["lp_ids"], lp_ptr=out["lp"],
                          rank_ptr=out["lp_rank"], stride=stride, K=k)
-        host = self._out.host[:o_bytes]
-        if o_bytes:
-            self.ctx.download(self._out.dev, host)  # one copy back, then the stream is idle
-        else:
-            self.ctx.synchronize()
+        host = ob.host[:o_bytes]
+        self.ctx.download_async(ob.dev, host)  # one copy back
+        self.ctx.record(self._events[slot])
+        h = SampleHandle(slot, B, k, gpu_k, kp, gpu_kp, o_off, host, list(prompt), on_gpu, p_out, out["ids"],
+                         host_gather=k is not None and not gpu_k)
+        self._pending[slot], self._claimed, self._turn = h, None, slot ^ 1
+        return h
+
+    def collect(self, h: "SampleHandle") -> tuple[Optional[SamplerOutput], list[Optional[LogprobsTensors]]]:
+        """Wait for a launch()'s copy back and read it: -> as sample()."""
+        if self._pending[h.slot] is not h:
+            raise RuntimeError("this sampling step was collected already, or its buffers were reused")
+        self.ctx.event_sync(self._events[h.slot])
+        self._pending[h.slot] = None
+        B, k, o_off, host, prompt = h.B, h.k, h.o_off, h.host, h.prompt
 
         def view(name, dtype, shape):
             n = int(np.prod(shape))
@@ -148,19 +193,22 @@ class GpuSampler:
         if B:
             ids = view("ids", np.int32, (B,))
             lp = None
-            if gpu_k:
+            if h.gpu_k:
                 lp = LogprobsTensors(view("lp_ids", np.int32, (B, k + 1)), view("lp", np.float32, (B, k + 1)),
                                      view("lp_rank", np.int32, (B, k + 1)))
             elif k is not None:  # a row asked for more than the kernel's top-K: gather on the host
-                raw = np.empty((B, V), np.float32)
-                self.ctx.download(self._raw, raw)
+                raw = np.empty((B, self.vocab), np.float32)
+                self.ctx.download(self._raw, raw)  # (a later launch would overwrite the raw rows)
                 lp = gather_logprobs(compute_logprobs(raw), k, ids)
             result = SamplerOutput(sampled_token_ids=ids, logprobs=lp)
-        if gpu_kp:
+        p_out = h.p_out
+        if h.gpu_kp:
+            P = sum(len(prompt[i].targets) for i in h.on_gpu)
+            kp = h.kp
             all_p = LogprobsTensors(view("p_ids", np.int32, (P, kp + 1)), view("p_lp", np.float32, (P, kp + 1)),
                                     view("p_rank", np.int32, (P, kp + 1)))
             start = 0
-            for i in on_gpu:
+            for i in h.on_gpu:
                 n, kk = len(prompt[i].targets), prompt[i].k
                 # a job keeps its own top k: the batch's extra columns are dropped
                 p_out[i] = LogprobsTensors(all_p.token_ids[start:start + n, :kk + 1],
@@ -169,8 +217,40 @@ class GpuSampler:
                 start += n
         return result, p_out
 
+    def feed(self, src_ids_dev: int, src_idx: np.ndarray, dst_ptr: int, dst_idx: np.ndarray) -> None:
+        """Queue dst[dst_idx[j]] = src[src_idx[j]] (i32) on the stream: the ids a launch()ed step
+        sampled (its handle.ids_dev) into the next step's uploaded input ids (async scheduling).
+        Uses the pinned buffers of the step about to be launched."""
+        n = len(src_idx)
+        if not n:
+            return
+        if "feed" not in self._roles:
+            raise RuntimeError("this bundle has no feed kernel (compiled before async scheduling fed ids on the GPU)")
+        slot = self._claim()
+        fb = self._feeds[slot]
+        fb.reserve(8 * n)
+        fb.host[:4 * n] = np.ascontiguousarray(src_idx, np.int32).view(np.uint8)
+        fb.host[4 * n:8 * n] = np.ascontiguousarray(dst_idx, np.int32).view(np.uint8)
+        self.ctx.upload(fb.dev, fb.host[:8 * n], sync=False)
+        self._launch("feed", n, src_ptr=src_ids_dev, src_idx_ptr=fb.dev, dst_ptr=dst_ptr, dst_idx_ptr=fb.dev + 4 * n)
+
+    @property
+    def can_feed(self) -> bool:
+        return "feed" in self._roles
+
+    def _claim(self) -> int:
+        """The pinned buffers of the step being launched: their last user (two launches ago)
+        must be collected, and its copies done before they are rewritten."""
+        if self._claimed is None:
+            slot = self._turn
+            if self._pending[slot] is not None:
+                raise RuntimeError("two sampling steps are in flight: collect the older one first")
+            self.ctx.event_sync(self._events[slot])
+            self._claimed = slot
+        return self._claimed
+
     # -- pieces ---------------------------------------------------------------------------
-    def _stage(self, rows, md, seeds, gpu_prompt: Sequence[PromptJob]) -> dict[str, int]:
+    def _stage(self, slot: int, rows, md, seeds, gpu_prompt: Sequence[PromptJob]) -> dict[str, int]:
         """Pack this step's inputs into the pinned buffer, one async upload -> name: device pointer."""
         B = len(rows)
         arrays: dict[str, np.ndarray] = {}
@@ -191,12 +271,13 @@ class GpuSampler:
             P = len(arrays["p_rows"])
         arrays["iota"] = np.arange(max(B, P, 1), dtype=np.int32)
         offs, nbytes = _layout({n: (a.dtype, a.size) for n, a in arrays.items()})
-        self._in.reserve(nbytes)
-        buf = self._in.host
+        ib = self._ins[slot]
+        ib.reserve(nbytes)
+        buf = ib.host
         for name, a in arrays.items():
             buf[offs[name]: offs[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        self.ctx.upload(self._in.dev, buf[:nbytes], sync=False)
-        return {name: self._in.dev + off for name, off in offs.items()}
+        self.ctx.upload(ib.dev, buf[:nbytes], sync=False)
+        return {name: ib.dev + off for name, off in offs.items()}
 
     def _prompt_on_host(self, j: PromptJob) -> LogprobsTensors:
         """Prompt logprobs with more top entries than the kernel's: download the job's rows

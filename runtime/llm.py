@@ -39,8 +39,9 @@ class EngineArgs:
     seed: Optional[int] = 0
     skip_tokenizer_init: bool = False
     chat_template: Optional[str] = None
-    # Schedule the next step while the current one executes (vLLM's --async-scheduling)
-    async_scheduling: bool = False
+    # Schedule the next step while the current one executes (vLLM's --async-scheduling); None:
+    # on for a GPU target (the next step is queued before the last one is read back), off on CPU
+    async_scheduling: Optional[bool] = None
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" (the model's dtype), "fp8"/"fp8_e4m3"
     kv_cache_dtype: str = "auto"
 
@@ -65,7 +66,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.target != "cpu" if args.async_scheduling is None else args.async_scheduling)
     kv_cfg = full_attention_config(lm.executor.num_blocks, args.block_size, cfg.num_key_value_heads,
                                    cfg.head_dim, lm.graph.attrs["kv_cache_dtype"])
     # a GPU bundle's buckets hold a fixed number of logits rows (prompt logprobs need one per token)

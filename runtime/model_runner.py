@@ -10,6 +10,7 @@ with `execute(inputs) -> {name: logits}` and `num_blocks`: numpy now, CUDA later
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -49,6 +50,21 @@ class RunnerRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
 
 
+@dataclass(eq=False)
+class PendingOutput:
+    """A step launched with its results still on the device (ModelRunner.defer_outputs):
+    its sampled requests hold a placeholder token until collect() reads the ids back."""
+    plan: "StepPlan"
+    sample_idx: list[int]
+    states: list[RunnerRequestState]
+    handle: object  # GpuSampler.launch's
+    jobs: list[str]  # request ids of the prompt-logprob jobs, in order
+    prompt_lps: dict
+    spots: list[tuple[int, int]]  # per sampled state: (index in its output ids, index in its batch row)
+    output: ModelRunnerOutput | None = None
+    future: Future = field(default_factory=Future)  # resolved with `output` by ModelRunner.collect
+
+
 @dataclass
 class StepPlan:
     """The scheduled chunks of one step, in runner order (new requests, then cached ones)."""
@@ -85,6 +101,13 @@ class ModelRunner:
         self._md_key: tuple = ()  # the states the cached SamplingMetadata was built for
         self._md: SamplingMetadata | None = None
         self._md_min_tokens = False
+        # Async scheduling (engine_core.py) sets this: steps sampling on the device return a
+        # PendingOutput, and the next step is launched with the sampled ids fed to its inputs
+        # on the device before this one's ids are read back (vLLM: AsyncGPUModelRunnerOutput
+        # and the previous step's sampled ids gathered into input_ids on the GPU).
+        self.defer_outputs = False
+        self._in_flight: list[PendingOutput] = []  # oldest first
+        self.fed_steps = 0  # steps launched with ids fed from the step before (for tests and stats)
 
     # -- state from the scheduler's diff (see sched_output.py) --------------------------
     def _drop(self, rid: str) -> None:
@@ -180,7 +203,10 @@ class ModelRunner:
         return rows, prompt_chunks
 
     # -- one step -----------------------------------------------------------------------
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        c = so.scheduled_cached_reqs
+        if self._in_flight and (so.finished_req_ids or c.resumed_req_ids or c.all_token_ids):
+            self.flush()  # rows are dropped or rewritten below: their placeholders settle first
         self._apply(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
@@ -199,20 +225,24 @@ class ModelRunner:
         return self._output(plan, sample_idx, states, out, prompt_lps)
 
     def _output(self, plan: StepPlan, sample_idx: list[int], states: list[RunnerRequestState], out,
-                prompt_lps: dict) -> ModelRunnerOutput:
-        """Record each sampled token with its request and hand the step's results back."""
+                prompt_lps: dict, record: bool = True) -> ModelRunnerOutput:
+        """Record each sampled token with its request (record: False when placeholders hold
+        their places already) and hand the step's results back."""
         ids = plan.ids
         if not states:
             return ModelRunnerOutput(ids, [[] for _ in ids], [None] * len(ids), prompt_logprobs=prompt_lps)
         toks_arr = np.asarray(out.sampled_token_ids)
         toks = toks_arr.tolist()
-        for st, tok in zip(states, toks):
-            st.output_token_ids.append(tok)
+        if record:
+            for st, tok in zip(states, toks):
+                st.output_token_ids.append(tok)
         if len(sample_idx) == len(ids):
-            self.batch.append_tokens(plan.rows, toks_arr)
+            if record:
+                self.batch.append_tokens(plan.rows, toks_arr)
             sampled = [[tok] for tok in toks]
         else:
-            self.batch.append_tokens(plan.rows[sample_idx], toks_arr)
+            if record:
+                self.batch.append_tokens(plan.rows[sample_idx], toks_arr)
             sampled = [[] for _ in ids]
             for i, tok in zip(sample_idx, toks):
                 sampled[i] = [tok]
@@ -262,9 +292,10 @@ class ModelRunner:
         targets = np.asarray(prompt[start + 1 + skip: start + 1 + n], dtype=np.int64)
         return skip, n, targets, k
 
-    def _execute_sampling_on_device(self, plan: StepPlan) -> ModelRunnerOutput:
+    def _execute_sampling_on_device(self, plan: StepPlan) -> ModelRunnerOutput | PendingOutput:
         """execute_model with the logits left on the device: the executor runs the step and
-        the GpuSampler in one call, on the same rows, metadata and prompt-logprob targets."""
+        the GpuSampler in one call, on the same rows, metadata and prompt-logprob targets.
+        With defer_outputs, returns before the step has run (see PendingOutput, collect)."""
         rows, prompt_chunks = self._logits_layout(plan)
         jobs, prompt_lps = {}, {}
         for i, r0 in prompt_chunks:
@@ -276,8 +307,77 @@ class ModelRunner:
                 jobs[rid] = PromptJob(r0 + skip, targets.astype(np.int32), k)
         sample_idx = plan.sample_idx
         states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
-        out, prompt = self.executor.execute_and_sample(
-            self._step_inputs(plan), self.gpu_sampler, rows, self._metadata(states) if states else None,
-            seeds=[s.params.seed for s in states], prompt=list(jobs.values()))
-        prompt_lps.update(zip(jobs, prompt))
-        return self._output(plan, sample_idx, states, out, prompt_lps)
+        md = self._metadata(states) if states else None
+        while len(self._in_flight) > 1:  # (the sampler keeps two steps' buffers)
+            self.collect(self._in_flight[0])
+        feed = None
+        if self._in_flight:
+            if md is not None and (not md.no_penalties or md.bad_words_token_ids):
+                self.flush()  # penalties and bad words read the tokens themselves, on the host
+            else:
+                feed = self._feed(plan, self._in_flight[-1])
+        inputs = self._step_inputs(plan)
+        launch = (self.executor.launch_and_sample if self.defer_outputs and self.gpu_sampler.can_feed
+                  else None)
+        if launch is None:
+            out, prompt = self.executor.execute_and_sample(
+                inputs, self.gpu_sampler, rows, md, seeds=[s.params.seed for s in states], prompt=list(jobs.values()))
+            prompt_lps.update(zip(jobs, prompt))
+            return self._output(plan, sample_idx, states, out, prompt_lps)
+        handle = launch(inputs, self.gpu_sampler, rows, md, seeds=[s.params.seed for s in states],
+                        prompt=list(jobs.values()), feed=feed)
+        self.fed_steps += feed is not None
+        # placeholders where the sampled tokens go: the next step's lengths count them, and
+        # its input ids at those places are fed on the device (_feed)
+        spots = [(len(st.output_token_ids), int(n)) for st, n in zip(states, self.batch.num_tokens[plan.rows[sample_idx]])]
+        for st in states:
+            st.output_token_ids.append(-1)
+        self.batch.append_tokens(plan.rows[sample_idx], np.full(len(states), -1, np.int32))
+        pending = PendingOutput(plan, sample_idx, states, handle, list(jobs), prompt_lps, spots)
+        self._in_flight.append(pending)
+        if handle.host_gather:  # logprobs from raw rows a later step would overwrite: read them now
+            self.collect(pending)
+        # the step before this one is read back now that this one is queued behind it
+        while len(self._in_flight) > 1:
+            self.collect(self._in_flight[0])
+        return pending
+
+    def _feed(self, plan: StepPlan, prev: PendingOutput):
+        """-> (prev's handle, rows of prev's sampled ids, positions in this step's input ids) for
+        the tokens of this step still in flight in prev, or None when it has none."""
+        where = {id(st): (j, spot[1]) for j, (st, spot) in enumerate(zip(prev.states, prev.spots))}
+        src, dst = [], []
+        flat = 0
+        for st, start, n in zip(plan.states, plan.starts.tolist(), plan.lens.tolist()):
+            hit = where.get(id(st))
+            if hit is not None and start <= hit[1] < start + n:
+                src.append(hit[0])
+                dst.append(flat + hit[1] - start)
+            flat += n
+        if not src:
+            return None
+        return prev.handle, np.array(src, np.int32), np.array(dst, np.int32)
+
+    def collect(self, pending: PendingOutput | ModelRunnerOutput) -> ModelRunnerOutput:
+        """The results of a step execute_model returned before it ran: wait for its ids (and
+        those of any step launched before it), put them in place of its placeholders."""
+        if isinstance(pending, ModelRunnerOutput):
+            return pending
+        while pending.output is None:
+            p = self._in_flight.pop(0)
+            out, prompt = self.gpu_sampler.collect(p.handle)
+            p.prompt_lps.update(zip(p.jobs, prompt))
+            if out is not None:
+                toks = np.asarray(out.sampled_token_ids).tolist()
+                for st, (oi, bi), tok in zip(p.states, p.spots, toks):
+                    if self.requests.get(st.req_id) is st:  # (a dropped request's row may be reused)
+                        st.output_token_ids[oi] = tok
+                        self.batch.token_ids[st.row, bi] = tok
+            p.output = self._output(p.plan, p.sample_idx, p.states, out, p.prompt_lps, record=False)
+            p.future.set_result(p.output)
+        return pending.output
+
+    def flush(self) -> None:
+        """Collect every step in flight."""
+        if self._in_flight:
+            self.collect(self._in_flight[-1])

@@ -48,8 +48,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process (default), so HTTP never takes a step's time")
     p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step while the current one executes (vLLM's --async-scheduling)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the current one executes (vLLM's --async-scheduling; "
+                   "default: on for a GPU target, off on CPU)")
 
 
 def read_chat_template(value: str | None) -> str | None:

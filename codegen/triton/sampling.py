@@ -17,6 +17,8 @@ row_idx[j]), so the sampled rows of a step need not be contiguous.
   logprobs_kernel           log_softmax of raw logits: a given token's logprob and
       rank, and the top K with `gather_logprobs`' tie rules.
   copy_rows_kernel          raw rows aside before the processors touch them.
+  feed_tokens_kernel        tokens a step sampled into the next step's input ids, on the
+      device (async scheduling: the next step is launched before the ids reach the host).
 
 Top-k and top-p need no sort: the k-th largest value (and the top-p cut) is found by
 a binary search over the order-preserving int32 image of the f32 values, one counting
@@ -312,6 +314,13 @@ def copy_rows_kernel(src_ptr, row_idx_ptr, dst_ptr, stride, V: tl.constexpr, BLO
         tl.store(dst_ptr + r.to(tl.int64) * V + cols, tl.load(base + cols, mask=cols < V), mask=cols < V)
 
 
+@triton.jit
+def feed_tokens_kernel(src_ptr, src_idx_ptr, dst_ptr, dst_idx_ptr):
+    # grid: (n,); dst[dst_idx[j]] = src[src_idx[j]] (i32)
+    j = tl.program_id(0)
+    tl.store(dst_ptr + tl.load(dst_idx_ptr + j), tl.load(src_ptr + tl.load(src_idx_ptr + j)))
+
+
 # -- specs --------------------------------------------------------------------------------
 
 BLOCK_E = 128  # CSR entries per chunk
@@ -324,9 +333,10 @@ SIGNATURES = {
     "logprobs": dict(logits_ptr=_P, row_idx_ptr="*i32", tok_ptr="*i32", tok_idx_ptr="*i32", ids_ptr="*i32",
                      lp_ptr=_P, rank_ptr="*i32", stride="i32", K="i32"),
     "copy_rows": dict(src_ptr=_P, row_idx_ptr="*i32", dst_ptr=_P, stride="i32"),
+    "feed": dict(src_ptr="*i32", src_idx_ptr="*i32", dst_ptr="*i32", dst_idx_ptr="*i32"),
 }
 _KERNELS = {"processors": "logits_processors_kernel", "sample": "sample_kernel", "logprobs": "logprobs_kernel",
-            "copy_rows": "copy_rows_kernel"}
+            "copy_rows": "copy_rows_kernel", "feed": "feed_tokens_kernel"}
 
 
 def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseConfig = DEFAULT_CONFIG,
@@ -334,12 +344,15 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
     """The launch of one sampling kernel over `rows` rows of a vocabulary of `vocab`.
     The grid is the row count of a step: a bundle records the spec once, the runtime
     launches it with the rows it has."""
+    sig = SIGNATURES[role]
+    if role == "feed":  # one scalar copy per program; dst is an input array inside a region
+        return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs={}, grid=(rows,),
+                          num_warps=1, num_stages=1, divisible=("src_ptr", "src_idx_ptr", "dst_idx_ptr"))
     const = dict(V=vocab, BLOCK_V=config.block)
     if role == "processors":
         const.update(BLOCK_E=BLOCK_E, INTERPRET=False)  # launch() sets INTERPRET under the interpreter
     if role == "sample":
         const["WRITE_MASKED"] = write_masked
-    sig = SIGNATURES[role]
     return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs=const, grid=(rows,),
                       num_warps=config.num_warps, num_stages=1,
                       divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
@@ -406,6 +419,13 @@ def logprobs(logits, row_idx, tokens, k: int, tok_idx=None, *,
     launch(spec, [logits, _i32(row_idx), _i32(tokens), _i32(tok_idx), as_buf(ids), as_buf(lp), as_buf(rank),
                   strides_of(logits)[0], int(k)])
     return ids, lp, rank
+
+
+def feed_tokens(src, src_idx, dst, dst_idx) -> None:
+    """dst[dst_idx[j]] = src[src_idx[j]], in place on dst (i32)."""
+    n = len(src_idx)
+    check(len(dst_idx) == n, "feed_tokens: one destination per source index")
+    launch(sampling_spec("feed", 0, n), [_i32(src), _i32(src_idx), as_buf(dst), _i32(dst_idx)])
 
 
 def copy_rows(logits, row_idx, *, config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:

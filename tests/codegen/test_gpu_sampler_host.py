@@ -60,6 +60,18 @@ class HostDevice:
     def synchronize(self):
         pass
 
+    def download_async(self, ptr, out):  # the stand-in runs everything at once
+        return self.download(ptr, out)
+
+    def marker(self):
+        return object()
+
+    def record(self, event):
+        pass
+
+    def event_sync(self, event):
+        pass
+
     def _launch(self, spec, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         vals, _ = params
         args = [Buf(ptr=v, shape=(1,), dtype=_NP[t]) if t.startswith("*") else v
@@ -161,3 +173,72 @@ def test_llm_tokens_and_logprobs_equal_the_cpu_path(tmp_path):
         for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
             assert a.keys() == b.keys() and all(a[t].rank == b[t].rank for t in a)
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
+def _on_host_device(llm) -> None:
+    """Give llm's runner the device path over the stand-in: its CPU executor's logits written to
+    "device" memory, then a GpuSampler; input ids fed through "device" memory by the feed kernel."""
+    runner = llm.engine.core.runner
+    dev, cpu_executor = HostDevice(), runner.executor
+    logits_ptr = dev.malloc(4 * 256 * 64)
+    ids_ptr = dev.malloc(4 * 64)
+
+    class DeviceLogits:
+        num_blocks = cpu_executor.num_blocks
+
+        def execute_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=()):
+            return sampler.collect(self.launch_and_sample(inputs, sampler, rows, md, seeds, prompt))
+
+        def launch_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=(), feed=None):
+            if feed is not None:
+                prev, src_idx, dst_idx = feed
+                assert (inputs["input_ids"][dst_idx] == -1).all()  # placeholders, nothing else
+                ids = np.ascontiguousarray(inputs["input_ids"], np.int32)
+                dev.upload(ids_ptr, ids)
+                sampler.feed(prev.ids_dev, src_idx, ids_ptr, dst_idx)
+                inputs = dict(inputs, input_ids=dev.download(ids_ptr, np.empty_like(ids)))
+            assert (inputs["input_ids"] >= 0).all()
+            logits = next(iter(cpu_executor.execute(inputs).values()))
+            dev.upload(logits_ptr, np.ascontiguousarray(logits, np.float32))
+            return sampler.launch(rows, md, seeds, prompt)
+
+    runner.executor, runner.gpu_sampler = DeviceLogits(), host_sampler(dev, 256, logits_ptr, block=128)
+
+
+def test_async_scheduling_feeds_sampled_ids_on_the_device(tmp_path):
+    """Async scheduling through the device path: each step is launched before the one ahead of
+    it is read back, its input ids fed from that step's sampled ids by the feed kernel
+    (GpuSampler.feed); penalised rows (which read their tokens on the host) wait for them.
+    Tokens and logprobs equal the synchronous engine's on the same device path."""
+    pytest.importorskip("torch")
+    from kiln import LLM
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path, "llama_gqa_untied")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(2, 20, size=6)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, repetition_penalty=1.5)]
+    common = dict(skip_tokenizer_init=True, max_num_batched_tokens=16, kv_cache_tokens=1024, max_num_seqs=4)
+    sync = LLM(tmp_path, **common)
+    _on_host_device(sync)
+    want = [sync.generate(prompts, sp) for sp in params]
+    assert sync.engine.core.runner.fed_steps == 0
+
+    llm = LLM(tmp_path, async_scheduling=True, **common)
+    runner = llm.engine.core.runner
+    assert runner.defer_outputs
+    _on_host_device(llm)
+    for sp, w in zip(params, want):
+        fed = runner.fed_steps
+        got = llm.generate(prompts, sp)
+        assert [g.outputs[0].token_ids for g in got] == [x.outputs[0].token_ids for x in w]
+        for g, x in zip(got, w):  # (the numpy executor's sums depend a little on the batch)
+            for a, b in zip(g.outputs[0].logprobs or [], x.outputs[0].logprobs or []):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+        if sp.repetition_penalty == 1:
+            assert runner.fed_steps > fed  # decode steps took their ids from the step before
+    assert not runner._in_flight
+    stats = llm.stats()
+    assert stats["num_running_reqs"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"] - 1

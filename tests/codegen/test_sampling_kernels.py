@@ -107,6 +107,19 @@ def test_copy_rows():
     assert np.array_equal(K.copy_rows(logits, np.array([3, 0]), config=CFG), logits[[3, 0]])
 
 
+def test_feed_tokens_scatters_sampled_ids_into_input_ids():
+    """The async-scheduling feed: each sampled id lands at its input position, nothing else moves."""
+    rng = np.random.default_rng()
+    src = rng.integers(0, 50_000, size=12).astype(np.int32)
+    dst = rng.integers(0, 50_000, size=40).astype(np.int32)
+    src_idx = rng.permutation(12)[:7].astype(np.int32)
+    dst_idx = rng.permutation(40)[:7].astype(np.int32)
+    want = dst.copy()
+    want[dst_idx] = src[src_idx]
+    K.feed_tokens(src, src_idx, dst, dst_idx)
+    assert np.array_equal(dst, want)
+
+
 def _reference_mask(row, temperature, k, p, min_p):
     """The numpy sampler's steps 5-7 on one row: z after min_p, top-k, top-p (-inf where cut)."""
     sub = row[None] / np.float32(temperature)

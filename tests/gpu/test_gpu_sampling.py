@@ -28,7 +28,8 @@ def llm(tmp_path_factory, gpu_target):
     d = tmp_path_factory.mktemp("gpu_sampling")
     make_tiny_model(d, "qwen3_qknorm", dtype=torch.bfloat16)
     llm = LLM(d, target=gpu_target, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=16,
-              max_num_batched_tokens=128, kv_cache_tokens=16 * 512, bundle_dir=str(d / "bundle"))
+              max_num_batched_tokens=128, kv_cache_tokens=16 * 512, bundle_dir=str(d / "bundle"),
+              async_scheduling=False)  # spy() wraps GpuSampler.sample, the synchronous engine's call
     assert llm.engine.core.runner.gpu_sampler is not None, "the CUDA model runner should sample on the device"
     return llm
 
