@@ -5,8 +5,10 @@ pointers under launch.recording(): every buffer is `(region << 44) + offset`,
 so each recorded launch holds its kernel spec, grid and arguments exactly as the
 wrapper computed them, and the runtime relocates pointers once at load by
 adding each region's base. Regions: the activation arena (plan_memory), the
-step-input block (one layout per bucket), split-K and split-KV workspaces, each
-weight, each state tensor (KV cache per layer), each constant (RoPE tables).
+step-input block (one layout per bucket), split-K and split-KV workspaces, the
+split-KV merge counters, each weight, each state tensor (KV cache per layer), each
+constant (RoPE tables). The runtime zeroes the regions it allocates (`sizes`) at
+load; the merge counters rely on it (op_paged_attention).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_len
 
 
 SPLIT_KV_MAX_SEQS = 64
+MERGE_COUNTER = "attn_merge_counter"  # the region of the split-KV merge counters (op_paged_attention)
 
 
 def split_kv(bucket: Bucket) -> bool:
@@ -156,9 +159,9 @@ class _Lowerer:
         arr = self.regions.consts[key]
         return Buf(ptr=self.regions.ptr(f"const:{key}"), shape=arr.shape, dtype=arr.dtype)
 
-    def workspace(self, name: str, shape: tuple[int, ...]) -> Buf:
-        self.regions.need(name, 4 * int(np.prod(shape)))
-        return Buf(ptr=self.regions.ptr(name), shape=shape, dtype=np.float32)
+    def workspace(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> Buf:
+        self.regions.need(name, np.dtype(dtype).itemsize * int(np.prod(shape)))
+        return Buf(ptr=self.regions.ptr(name), shape=shape, dtype=dtype)
 
     def lower(self) -> list[tuple[KernelSpec, list[Any]]]:
         with recording() as launches:
@@ -283,16 +286,22 @@ class _Lowerer:
         q, cache, bt, sl, qsl = node.inputs
         out = self.buf(node.outputs[0])
         t, h, d = out.shape
+        hkv = self.g.tensors[cache].shape[3]
         split = split_kv(self.bucket)
-        ws = None
+        ws = counter = None
         if split:
-            cfg = self.configs.attention(h, self.g.tensors[cache].shape[3], d, self.max_model_len)
+            cfg = self.configs.attention(h, hkv, d, self.max_model_len)
             segs = -(-self.max_model_len // cfg.seg)
             ws = (self.workspace("attn_ws_acc", (t, segs, h, d)), self.workspace("attn_ws_ml", (t, segs, h, 2)))
+        if k_attn.merges_in_kernel(split, self.bucket.decode):
+            # the kernel's last segment program of each (sequence, KV head) merges and zeroes
+            # its counter again; every layer and bucket shares the region (launches are ordered
+            # on the stream), which starts zeroed at load (runtime/cuda_executor.py)
+            counter = self.workspace(MERGE_COUNTER, (self.bucket.seqs, hkv), np.int32)
         k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,
                                scale=node.attrs["scale"], sliding_window=node.attrs.get("sliding_window", 0),
                                split=split, max_model_len=self.max_model_len, positions=self.buf("positions"),
-                               workspace=ws, configs=self.configs, decode=self.bucket.decode)
+                               workspace=ws, counter=counter, configs=self.configs, decode=self.bucket.decode)
 
 
 def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,
