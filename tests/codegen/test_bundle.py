@@ -50,6 +50,13 @@ def test_every_bucket_compiles_and_round_trips(arch, target, tmp_path):
             assert meta[key]["pdl"] is not plain, f"{p['bucket']} launch {i} ({names[i]})"
     assert gemm_after_gemm == 2 * len(plans)  # tiny models have 2 layers: one down GEMM each
     assert not any(meta[k]["pdl"] for k in sampler)
+    # split-KV decode buckets merge in the attention kernel: no merge launch, and counters for the
+    # largest decode bucket's (sequence, KV head) pairs, zeroed by the runtime at load
+    for p in plans.values():
+        names = [meta[key]["name"] for key, _, _ in p["launches"]]
+        assert "attention_merge_kernel" not in names, p["bucket"]
+        assert names.count("paged_attention_kernel") == cfg.num_hidden_layers
+    assert b.manifest["region_bytes"]["attn_merge_counter"] == 4 * 8 * cfg.num_key_value_heads
     b.write(tmp_path / "b")
     back = Bundle.read(tmp_path / "b", expect_target=target, expect_config_hash=cfg.compute_hash())
     assert back.manifest["plans"] == plans and back.kernels == b.kernels
