@@ -49,9 +49,10 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
                    progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True,
-                   pdl: bool | None = None) -> Bundle:
+                   pdl: bool | None = None, fuse_merge: bool = True) -> Bundle:
     """pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py);
-    None: wherever the target has it (sm_90 and later, i.e. every GPU target)."""
+    None: wherever the target has it (sm_90 and later, i.e. every GPU target). fuse_merge:
+    split-KV decode merges in the attention kernel (False: a merge launch, to A/B it)."""
     if target not in TARGETS:
         raise ValueError(f"unknown GPU target {target!r} (known: {', '.join(TARGETS)})")
     t0 = time.perf_counter()
@@ -65,7 +66,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         progress(f"lowering bucket {b.name} ({i + 1}/{len(buckets)})")
         recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
                                    max_model_len=max_model_len, configs=configs, arch=target,
-                                   batch_invariant=batch_invariant)
+                                   batch_invariant=batch_invariant, fuse_merge=fuse_merge)
     if pdl is None:
         pdl = target in PDL_TARGETS
     if pdl:  # the sampler's kernels (below) run after the graph, launched plainly

@@ -88,9 +88,10 @@ def input_bytes(bucket: Bucket, mb: int) -> int:
 
 class _Lowerer:
     def __init__(self, graph: Graph, plan: MemoryPlan, bucket: Bucket, mb: int, regions: Regions,
-                 configs: Configs, arch: str, max_model_len: int, batch_invariant: bool = True) -> None:
+                 configs: Configs, arch: str, max_model_len: int, batch_invariant: bool = True,
+                 fuse_merge: bool = True) -> None:
         self.g, self.plan, self.bucket, self.regions = graph, plan, bucket, regions
-        self.batch_invariant = batch_invariant
+        self.batch_invariant, self.fuse_merge = batch_invariant, fuse_merge
         self.configs, self.arch, self.max_model_len = configs, arch, max_model_len
         self.dims = bucket.dims(mb)
         self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
@@ -293,7 +294,7 @@ class _Lowerer:
             cfg = self.configs.attention(h, hkv, d, self.max_model_len)
             segs = -(-self.max_model_len // cfg.seg)
             ws = (self.workspace("attn_ws_acc", (t, segs, h, d)), self.workspace("attn_ws_ml", (t, segs, h, 2)))
-        if k_attn.merges_in_kernel(split, self.bucket.decode):
+        if k_attn.merges_in_kernel(split, self.bucket.decode, self.fuse_merge):
             # the kernel's last segment program of each (sequence, KV head) merges and zeroes
             # its counter again; every layer and bucket shares the region (launches are ordered
             # on the stream), which starts zeroed at load (runtime/cuda_executor.py)
@@ -301,15 +302,18 @@ class _Lowerer:
         k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,
                                scale=node.attrs["scale"], sliding_window=node.attrs.get("sliding_window", 0),
                                split=split, max_model_len=self.max_model_len, positions=self.buf("positions"),
-                               workspace=ws, counter=counter, configs=self.configs, decode=self.bucket.decode)
+                               workspace=ws, counter=counter, configs=self.configs, decode=self.bucket.decode,
+                               fuse_merge=self.fuse_merge)
 
 
 def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,
-                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90", batch_invariant: bool = True):
+                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90", batch_invariant: bool = True,
+                 fuse_merge: bool = True):
     """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`.
-    batch_invariant=False exists only to measure what invariance costs (docs/BENCHMARKS.md)."""
+    batch_invariant=False exists only to measure what invariance costs (docs/BENCHMARKS.md);
+    fuse_merge=False (split-KV decode merges in a second launch, same bits) only to A/B it."""
     return _Lowerer(graph, plan, bucket, max_blocks_per_seq, regions, configs, arch, max_model_len,
-                    batch_invariant).lower()
+                    batch_invariant, fuse_merge).lower()
 
 
 def encode_args(spec: KernelSpec, args: list[Any]) -> list[Any]:

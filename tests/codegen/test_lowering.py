@@ -72,14 +72,15 @@ BUCKETS = [Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]  # decode, mixed
 class _Plan:
     """The graph lowered for BUCKETS with `configs`, run launch by launch on host buffers."""
 
-    def __init__(self, cfg, graph, weights, configs):
+    def __init__(self, cfg, graph, weights, configs, fuse_merge=True):
         self.cfg, self.graph = cfg, graph
         self.mb = MAX_LEN // BS
         self.plan = plan_memory(graph, {"T": 64, "S": 4, "S1": 5, "L": 4, "MB": self.mb})
         self.regions = regions = Regions()
         regions.need("arena", self.plan.arena_bytes)
         self.lowered = {b: lower_bucket(graph, self.plan, b, max_blocks_per_seq=self.mb, regions=regions,
-                                        max_model_len=MAX_LEN, configs=configs) for b in BUCKETS}
+                                        max_model_len=MAX_LEN, configs=configs, fuse_merge=fuse_merge)
+                        for b in BUCKETS}
         self.ref = CpuExecutor(graph, weights.__getitem__, NB)
         self.arrays = []
         for name in regions.names:
@@ -205,12 +206,10 @@ def _small_segments(op, key):
     return {"tile": 16, "seg": 16} if op == "paged_attention" else None
 
 
-def test_decode_plan_merges_split_kv_in_the_attention_kernel(monkeypatch):
+def test_decode_plan_merges_split_kv_in_the_attention_kernel():
     """A split-KV decode bucket launches one attention kernel per layer, which merges its
     segments itself (MERGE); its counters are all zero again after the step; and the logits
     are the bits of the plan that merges in a second launch (attention_merge_kernel)."""
-    from kiln.codegen.triton import paged_attention_launch as k_attn
-
     cfg, graph, weights = _model("LlamaForCausalLM")
     configs = Configs(lookup=_small_segments)
     fused = _Plan(cfg, graph, weights, configs)
@@ -226,8 +225,7 @@ def test_decode_plan_merges_split_kv_in_the_attention_kernel(monkeypatch):
     got = fused.prefill_then_decode()
     assert not fused.arrays[fused.regions.names.index(MERGE_COUNTER)].any(), "a merge counter was left nonzero"
 
-    monkeypatch.setattr(k_attn, "merges_in_kernel", lambda *a, **k: False)
-    plain = _Plan(cfg, graph, weights, configs)
+    plain = _Plan(cfg, graph, weights, configs, fuse_merge=False)
     kernels = [spec.kernel for spec, _ in plain.lowered[BUCKETS[0]]]
     assert kernels.count("attention_merge_kernel") == cfg.num_hidden_layers
     assert len(kernels) == len(decode) + cfg.num_hidden_layers and MERGE_COUNTER not in plain.regions.names
