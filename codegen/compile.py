@@ -25,13 +25,16 @@ PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
 
 def pdl_launches(launches: list) -> list:
     """The plan's launches compiled for programmatic dependent launch (codegen/triton/pdl.py),
-    except a GEMM right behind another GEMM, which goes out plainly. Measured on the H200
-    (docs/GPU_NOTES.md): with the MLP's SiLU fused into gate/up, the down GEMM launched
-    early behind it made the batch-1 decode graph slower, 4.45 ms against 4.29 ms plain;
-    everywhere else the early launch helps (4.45 -> 4.39 ms when PDL came in)."""
+    except a GEMM right behind another GEMM or behind the attention kernel that merges its
+    split-KV segments itself (MERGE): those go out plainly. Measured on the H200, batch-1
+    decode graph (docs/GPU_NOTES.md): the down GEMM launched early behind gate/up (SiLU in its
+    epilogue) 4.45 ms, plainly 4.29; o_proj launched early behind the merging attention 4.51 ms,
+    plainly 4.31 (4.36 with the merge as its own launch). Everywhere else the early launch helps
+    (4.45 -> 4.39 ms when PDL came in)."""
     out, prev = [], None
     for spec, args in launches:
-        plain = prev is not None and prev.kernel == spec.kernel == "gemm_kernel"
+        plain = prev is not None and spec.kernel == "gemm_kernel" and (
+            prev.kernel == "gemm_kernel" or (prev.kernel == "paged_attention_kernel" and bool(prev.constexprs.get("MERGE"))))
         out.append((spec if plain else spec.with_pdl(), args))
         prev = spec
     return out
