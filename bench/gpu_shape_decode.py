@@ -4,7 +4,7 @@ and one-prompt prefill speed.
 
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
         [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
-        [--fuse-silu auto|off] [--json OUT]
+        [--fuse-silu auto|off] [--fuse-merge auto|off] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--fuse-silu", choices=("auto", "off"), default="auto",
                     help="the MLP's silu_mul in the gate/up GEMM's epilogue (same bits; interleaved gate/up "
                     "weight): auto = passes/fuse_gate_up_silu.py, off = a silu_mul launch after the GEMM, as before")
+    ap.add_argument("--fuse-merge", choices=("auto", "off"), default="auto",
+                    help="split-KV decode merges its segments in the attention kernel (same bits): auto = on, "
+                    "off = attention_merge_kernel after it, as before")
     ap.add_argument("--pdl", choices=("auto", "off"), default="auto",
                     help="programmatic dependent launch for the plans' kernels (auto: on for sm_90)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
@@ -146,12 +149,14 @@ def main() -> None:
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                             max_num_batched_tokens=max(2048, a.prefill), block_size=16,
                             batch_invariant=not a.no_batch_invariance,
-                            configs=Configs(lookup=_lookup(a)), pdl=None if a.pdl == "auto" else False)
+                            configs=Configs(lookup=_lookup(a)), pdl=None if a.pdl == "auto" else False,
+                            fuse_merge=a.fuse_merge == "auto")
     res["tuned"] = not a.untuned
     res["pdl"] = bundle.manifest["pdl"]
     res["gemm_tma"] = a.gemm_tma
     res["gemm_fold"] = a.gemm_fold
     res["fuse_silu"] = a.fuse_silu
+    res["fuse_merge"] = a.fuse_merge
     res["silu_fused_layers"] = sum(n.op == "linear_silu_mul" for n in graph.nodes.values())
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)

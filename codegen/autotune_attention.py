@@ -10,7 +10,8 @@ reduction knobs, keep the default's values (seg follows max_model_len). Rows per
 warps and stages only group rows (paged_attention.py), so every candidate must give the
 default's bits; Bench.best checks that it does. Decode is timed at the bundle's largest
 decode bucket with 1,500 keys per sequence plus batch 1 at 512 keys, each split or not as
-the bundle's plan is (lower.split_kv), and their sum chooses; prefill at one prompt of
+the bundle's plan is (lower.split_kv; split decode merges in the attention kernel, as in
+the plan), and their sum chooses; prefill at one prompt of
 2,048 tokens (or max_num_batched_tokens) in the mixed bucket that holds it. One entry per
 head shape (h, hkv, d), whatever max_model_len.
 """
@@ -105,7 +106,7 @@ def attention_shapes(graph: Graph, block_size: int, max_model_len: int) -> list[
 
 class AttentionRig:
     """Device buffers of one case: q and out [T, H, D], a paged KV cache, block tables,
-    lengths, query offsets, positions and the split-KV workspaces. The live sequences'
+    lengths, query offsets, positions, the split-KV workspaces and merge counters. The live sequences'
     blocks are scattered over the cache, in `copies` disjoint sets the launches take in
     turn, so that K/V that would fit in L2 (batch 1 at 512 keys: 2 MB) still comes from
     HBM, as in a step, where every layer's weights went through L2 since the last read."""
@@ -142,6 +143,9 @@ class AttentionRig:
         self.q = bench.buffer((case.tokens, sh.h, sh.d), BF16)
         self.out = bench.buffer((case.tokens, sh.h, sh.d), BF16)
         self._ws: dict[int, tuple[Buf, Buf]] = {}
+        # zero, and left zero by every launch: one buffer serves all reps and replays
+        self.counter = (bench.buffer((case.seqs, sh.hkv), np.int32, np.zeros((case.seqs, sh.hkv), np.int32))
+                        if k_attn.merges_in_kernel(case.split, case.decode) else None)
 
     def workspace(self, seg: int) -> tuple[Buf, Buf] | None:
         if not self.case.split:
@@ -157,7 +161,7 @@ class AttentionRig:
         reps = [record(k_attn.paged_attention, self.q, self.cache, self.block_tables[r % self.copies], self.seq_lens,
                        self.qsl, self.out, scale=sh.d ** -0.5, sliding_window=sh.window, split=case.split,
                        max_model_len=sh.max_model_len, positions=self.positions, workspace=self.workspace(cfg.seg),
-                       config=cfg, decode=case.decode) for r in range(self.reps)]
+                       counter=self.counter, config=cfg, decode=case.decode) for r in range(self.reps)]
         return Timed(reps, output=self.output)
 
     def output(self) -> bytes:

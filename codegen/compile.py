@@ -25,13 +25,16 @@ PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
 
 def pdl_launches(launches: list) -> list:
     """The plan's launches compiled for programmatic dependent launch (codegen/triton/pdl.py),
-    except a GEMM right behind another GEMM, which goes out plainly. Measured on the H200
-    (docs/GPU_NOTES.md): with the MLP's SiLU fused into gate/up, the down GEMM launched
-    early behind it made the batch-1 decode graph slower, 4.45 ms against 4.29 ms plain;
-    everywhere else the early launch helps (4.45 -> 4.39 ms when PDL came in)."""
+    except a GEMM right behind another GEMM or behind the attention kernel that merges its
+    split-KV segments itself (MERGE): those go out plainly. Measured on the H200, batch-1
+    decode graph (docs/GPU_NOTES.md): the down GEMM launched early behind gate/up (SiLU in its
+    epilogue) 4.45 ms, plainly 4.29; o_proj launched early behind the merging attention 4.51 ms,
+    plainly 4.31 (4.36 with the merge as its own launch). Everywhere else the early launch helps
+    (4.45 -> 4.39 ms when PDL came in)."""
     out, prev = [], None
     for spec, args in launches:
-        plain = prev is not None and prev.kernel == spec.kernel == "gemm_kernel"
+        plain = prev is not None and spec.kernel == "gemm_kernel" and (
+            prev.kernel == "gemm_kernel" or (prev.kernel == "paged_attention_kernel" and bool(prev.constexprs.get("MERGE"))))
         out.append((spec if plain else spec.with_pdl(), args))
         prev = spec
     return out
@@ -49,9 +52,10 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
                    progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True,
-                   pdl: bool | None = None) -> Bundle:
+                   pdl: bool | None = None, fuse_merge: bool = True) -> Bundle:
     """pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py);
-    None: wherever the target has it (sm_90 and later, i.e. every GPU target)."""
+    None: wherever the target has it (sm_90 and later, i.e. every GPU target). fuse_merge:
+    split-KV decode merges in the attention kernel (False: a merge launch, to A/B it)."""
     if target not in TARGETS:
         raise ValueError(f"unknown GPU target {target!r} (known: {', '.join(TARGETS)})")
     t0 = time.perf_counter()
@@ -65,7 +69,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         progress(f"lowering bucket {b.name} ({i + 1}/{len(buckets)})")
         recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
                                    max_model_len=max_model_len, configs=configs, arch=target,
-                                   batch_invariant=batch_invariant)
+                                   batch_invariant=batch_invariant, fuse_merge=fuse_merge)
     if pdl is None:
         pdl = target in PDL_TARGETS
     if pdl:  # the sampler's kernels (below) run after the graph, launched plainly

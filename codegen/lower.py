@@ -5,8 +5,10 @@ pointers under launch.recording(): every buffer is `(region << 44) + offset`,
 so each recorded launch holds its kernel spec, grid and arguments exactly as the
 wrapper computed them, and the runtime relocates pointers once at load by
 adding each region's base. Regions: the activation arena (plan_memory), the
-step-input block (one layout per bucket), split-K and split-KV workspaces, each
-weight, each state tensor (KV cache per layer), each constant (RoPE tables).
+step-input block (one layout per bucket), split-K and split-KV workspaces, the
+split-KV merge counters, each weight, each state tensor (KV cache per layer), each
+constant (RoPE tables). The runtime zeroes the regions it allocates (`sizes`) at
+load; the merge counters rely on it (op_paged_attention).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_len
 
 
 SPLIT_KV_MAX_SEQS = 64
+MERGE_COUNTER = "attn_merge_counter"  # the region of the split-KV merge counters (op_paged_attention)
 
 
 def split_kv(bucket: Bucket) -> bool:
@@ -85,9 +88,10 @@ def input_bytes(bucket: Bucket, mb: int) -> int:
 
 class _Lowerer:
     def __init__(self, graph: Graph, plan: MemoryPlan, bucket: Bucket, mb: int, regions: Regions,
-                 configs: Configs, arch: str, max_model_len: int, batch_invariant: bool = True) -> None:
+                 configs: Configs, arch: str, max_model_len: int, batch_invariant: bool = True,
+                 fuse_merge: bool = True) -> None:
         self.g, self.plan, self.bucket, self.regions = graph, plan, bucket, regions
-        self.batch_invariant = batch_invariant
+        self.batch_invariant, self.fuse_merge = batch_invariant, fuse_merge
         self.configs, self.arch, self.max_model_len = configs, arch, max_model_len
         self.dims = bucket.dims(mb)
         self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
@@ -156,9 +160,9 @@ class _Lowerer:
         arr = self.regions.consts[key]
         return Buf(ptr=self.regions.ptr(f"const:{key}"), shape=arr.shape, dtype=arr.dtype)
 
-    def workspace(self, name: str, shape: tuple[int, ...]) -> Buf:
-        self.regions.need(name, 4 * int(np.prod(shape)))
-        return Buf(ptr=self.regions.ptr(name), shape=shape, dtype=np.float32)
+    def workspace(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> Buf:
+        self.regions.need(name, np.dtype(dtype).itemsize * int(np.prod(shape)))
+        return Buf(ptr=self.regions.ptr(name), shape=shape, dtype=dtype)
 
     def lower(self) -> list[tuple[KernelSpec, list[Any]]]:
         with recording() as launches:
@@ -283,24 +287,33 @@ class _Lowerer:
         q, cache, bt, sl, qsl = node.inputs
         out = self.buf(node.outputs[0])
         t, h, d = out.shape
+        hkv = self.g.tensors[cache].shape[3]
         split = split_kv(self.bucket)
-        ws = None
+        ws = counter = None
         if split:
-            cfg = self.configs.attention(h, self.g.tensors[cache].shape[3], d, self.max_model_len)
+            cfg = self.configs.attention(h, hkv, d, self.max_model_len)
             segs = -(-self.max_model_len // cfg.seg)
             ws = (self.workspace("attn_ws_acc", (t, segs, h, d)), self.workspace("attn_ws_ml", (t, segs, h, 2)))
+        if k_attn.merges_in_kernel(split, self.bucket.decode, self.fuse_merge):
+            # the kernel's last segment program of each (sequence, KV head) merges and zeroes
+            # its counter again; every layer and bucket shares the region (launches are ordered
+            # on the stream), which starts zeroed at load (runtime/cuda_executor.py)
+            counter = self.workspace(MERGE_COUNTER, (self.bucket.seqs, hkv), np.int32)
         k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,
                                scale=node.attrs["scale"], sliding_window=node.attrs.get("sliding_window", 0),
                                split=split, max_model_len=self.max_model_len, positions=self.buf("positions"),
-                               workspace=ws, configs=self.configs, decode=self.bucket.decode)
+                               workspace=ws, counter=counter, configs=self.configs, decode=self.bucket.decode,
+                               fuse_merge=self.fuse_merge)
 
 
 def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,
-                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90", batch_invariant: bool = True):
+                 max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90", batch_invariant: bool = True,
+                 fuse_merge: bool = True):
     """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`.
-    batch_invariant=False exists only to measure what invariance costs (docs/BENCHMARKS.md)."""
+    batch_invariant=False exists only to measure what invariance costs (docs/BENCHMARKS.md);
+    fuse_merge=False (split-KV decode merges in a second launch, same bits) only to A/B it."""
     return _Lowerer(graph, plan, bucket, max_blocks_per_seq, regions, configs, arch, max_model_len,
-                    batch_invariant).lower()
+                    batch_invariant, fuse_merge).lower()
 
 
 def encode_args(spec: KernelSpec, args: list[Any]) -> list[Any]:

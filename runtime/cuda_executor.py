@@ -2,7 +2,7 @@
 
 At load: one context; weights uploaded (cast to the bundle's dtypes on the host);
 constant tables, the activation arena, the step-input block and workspaces
-allocated once; the KV cache sized from free memory; every kernel's cubin
+allocated once and zeroed; the KV cache sized from free memory; every kernel's cubin
 loaded; every bucket's launches resolved into ready (values, types) tuples by
 relocating the plan's symbolic pointers (region << 44 | offset) to real ones.
 Per step: pad to the smallest bucket that holds it, one host->device copy of
@@ -46,8 +46,9 @@ class CudaExecutor:
             bases[f"weight:{name}"] = self._upload_weight(load_weight, name, dtype, shape, *stack)
         for name, arr in bundle.consts.items():
             bases[f"const:{name}"] = self.ctx.to_device(arr)
-        for name, nbytes in m["region_bytes"].items():
+        for name, nbytes in m["region_bytes"].items():  # zeroed: the split-KV merge counters must start at 0
             bases[name] = self.ctx.malloc(nbytes)
+            self.ctx.memset(bases[name], nbytes)
         self.num_blocks = self._alloc_states(m["states"], bases, num_blocks, gpu_memory_utilization)
         self.bases = bases
         self.kernels = {k: self.ctx.load_kernel(bundle.kernels[k], meta["name"], meta["num_warps"], meta["shared"],

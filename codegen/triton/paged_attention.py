@@ -31,8 +31,12 @@ than bf16). H200, Llama-8B heads (bench/attn_sweep.py): 256 sequences x 1,500 ke
 with bf16 dots, 288 with f16 (a bf16 cache: 373); a 2,048-token prefill 222 / 181 (182.5).
 SPLIT=False: one program folds all of its segments. SPLIT=True (decode, long
 contexts): program z computes segment z alone (folding it into the empty state, an
-exact identity) and stores (m, l, acc) in f32; attention_merge_kernel folds them in
-order with the same `_fold` and `_finalize`. Both give the same bits.
+exact identity) and stores (m, l, acc) in f32; `_merge` folds them in order with the
+same `_fold` and `_finalize`. Both give the same bits. The merge runs in
+attention_merge_kernel (a second launch), or with MERGE (decode only) in the attention
+kernel itself: each live segment's program, once its partial is stored, counts itself in
+on an i32 counter of its (sequence, KV head), and the one that counts last merges, then
+puts the counter back to 0 (see `_merge_if_last`).
 """
 from __future__ import annotations
 
@@ -203,13 +207,14 @@ def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_c
 @triton.jit
 def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, stride_ckv, stride_cp, stride_ch,
                            bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr, num_seqs, out_ptr, stride_ot, stride_oh,
-                           ws_acc_ptr, ws_ml_ptr, qk_scale, window,
+                           ws_acc_ptr, ws_ml_ptr, cnt_ptr, qk_scale, window,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
                            SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr,
-                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                           INTERPRET: tl.constexpr, MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (q-block bound, or S for DECODE, HKV, MAX_SEGS if SPLIT else 1)
+    # cnt_ptr (MERGE): i32[S, HKV], all 0 when the launch starts and when it ends
     pid, kvh, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if DECODE:  # one query per sequence: program pid serves sequence pid, no search
         s = pid
@@ -247,7 +252,9 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
     kv_base = cache_ptr + kvh * stride_ch
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     if SPLIT:
-        if (z < k_lo // SEG) | (z > p_max // SEG):
+        z_lo = k_lo // SEG
+        z_hi = p_max // SEG
+        if (z < z_lo) | (z > z_hi):  # no keys in segment z: nothing stored, not counted (MERGE)
             return
         M, Ls, ACC = _attend(q, pos, valid, tl.maximum(lo, z * SEG), tl.minimum(hi, (z + 1) * SEG), full_hi,
                              bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
@@ -256,6 +263,9 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
         tl.store(ws_ml_ptr + ws * 2, M, mask=valid)
         tl.store(ws_ml_ptr + ws * 2 + 1, Ls, mask=valid)
         tl.store(ws_acc_ptr + ws[:, None] * D + d[None, :], ACC, mask=qmask)
+        if MERGE:  # DECODE: the one query is at position c = L - 1, token q0 (tok of the valid rows)
+            _merge_if_last(cnt_ptr + s * HKV + kvh, z_lo, z_hi, ws_acc_ptr, ws_ml_ptr, q0.to(tl.int64), kvh,
+                           out_ptr, stride_ot, stride_oh, H, HKV, D, BLOCK_D, G_PAD, MAX_SEGS)
     else:
         M, Ls, ACC = _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L,
                              window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
@@ -264,7 +274,63 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-MERGE_CHUNK = tl.constexpr(16)  # segments a merge program unrolls (loads in flight together)
+MERGE_CHUNK = tl.constexpr(16)  # segments a merge unrolls (loads in flight together)
+
+
+@triton.jit
+def _merge(ws_acc_ptr, ws_ml_ptr, t, h, hmask, z_lo, z_hi, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+           BLOCK_D: tl.constexpr, MAX_SEGS: tl.constexpr, CACHE: tl.constexpr):
+    """Token t's segments z_lo..z_hi of heads h [ROWS] folded in increasing order -> o [ROWS, BLOCK_D] (f32).
+    Elementwise per (head, d): the bits do not depend on ROWS or on which kernel runs it."""
+    d = tl.arange(0, BLOCK_D)
+    mask = hmask[:, None] & (d[None, :] < D)
+    M = tl.full((ROWS,), -float("inf"), tl.float32)
+    Ls = tl.zeros((ROWS,), tl.float32)
+    ACC = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    # Unrolled CHUNK segments at a time so that no load waits on the fold before it (a rolled
+    # loop made a batch-1 merge 9 dependent round trips to memory), and rolled over chunks:
+    # unrolling all of MAX_SEGS made a 131,072-token bundle (256 segments) take more than 25
+    # minutes to compile. Chunks run from the one holding z_lo to the one holding z_hi;
+    # segments outside that range load the empty state (m=-inf, l=0, acc=0), whose fold is an
+    # exact identity, so the bits equal the unsplit kernel's in-order fold.
+    CHUNK: tl.constexpr = MERGE_CHUNK if MAX_SEGS > MERGE_CHUNK else MAX_SEGS
+    for c0 in range(z_lo // CHUNK * CHUNK, z_hi + 1, CHUNK):
+        for i in tl.static_range(CHUNK):
+            z = c0 + i
+            live = (z >= z_lo) & (z <= z_hi)
+            ws = (t.to(tl.int64) * MAX_SEGS + z) * H + h
+            m = tl.load(ws_ml_ptr + ws * 2, mask=hmask & live, other=-float("inf"), cache_modifier=CACHE)
+            l = tl.load(ws_ml_ptr + ws * 2 + 1, mask=hmask & live, other=0.0, cache_modifier=CACHE)
+            acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=mask & live, other=0.0,
+                          cache_modifier=CACHE)
+            M, Ls, ACC = _fold(M, Ls, ACC, m, l, acc)
+    return _finalize(Ls, ACC)
+
+
+@triton.jit
+def _merge_if_last(cnt_ptr, z_lo, z_hi, ws_acc_ptr, ws_ml_ptr, tok, kvh, out_ptr, stride_ot, stride_oh,
+                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   G_PAD: tl.constexpr, MAX_SEGS: tl.constexpr):
+    """The programs of segments z_lo..z_hi of one (sequence, KV head) count themselves in on
+    *cnt_ptr after storing their partials; the last of the z_hi - z_lo + 1 merges the group's
+    heads of token tok into out and puts the counter back to 0 for the next launch.
+    Ordering: the barrier puts every thread's partial stores before thread 0's atomic (Triton
+    issues a scalar atomic from one thread and hands its result to all through shared memory),
+    whose release publishes them at GPU scope; the last program's acquire (then the CTA
+    barrier of that hand-over) orders its loads after every other program's stores, and the
+    loads bypass L1 (.cg)."""
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == z_hi - z_lo:
+        G: tl.constexpr = H // HKV
+        g = tl.arange(0, G_PAD)
+        h = kvh * G + g
+        hmask = g < G
+        o = _merge(ws_acc_ptr, ws_ml_ptr, tok, h, hmask, z_lo, z_hi, G_PAD, H, D, BLOCK_D, MAX_SEGS, ".cg")
+        d = tl.arange(0, BLOCK_D)
+        dst = out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (d[None, :] < D))
+        tl.store(cnt_ptr, 0)
 
 
 @triton.jit
@@ -281,28 +347,6 @@ def attention_merge_kernel(ws_acc_ptr, ws_ml_ptr, positions_ptr, n_rows_ptr, out
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hmask = h < H
-    mask = hmask[:, None] & (d[None, :] < D)
-    M = tl.full((BLOCK_H,), -float("inf"), tl.float32)
-    Ls = tl.zeros((BLOCK_H,), tl.float32)
-    ACC = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    # Unrolled CHUNK segments at a time so that no load waits on the fold before it (a rolled
-    # loop made a batch-1 merge 9 dependent round trips to memory), and rolled over chunks:
-    # unrolling all of MAX_SEGS made a 131,072-token bundle (256 segments) take more than 25
-    # minutes to compile. Chunks run from the one holding k_lo // SEG to the one holding
-    # pos // SEG; segments outside that range load the empty state (m=-inf, l=0, acc=0), whose
-    # fold is an exact identity, so the bits equal the unsplit kernel's in-order fold.
-    z_lo = k_lo // SEG
-    z_hi = pos // SEG
-    CHUNK: tl.constexpr = MERGE_CHUNK if MAX_SEGS > MERGE_CHUNK else MAX_SEGS
-    for c0 in range(z_lo // CHUNK * CHUNK, z_hi + 1, CHUNK):
-        for i in tl.static_range(CHUNK):
-            z = c0 + i
-            live = (z >= z_lo) & (z <= z_hi)
-            ws = (t.to(tl.int64) * MAX_SEGS + z) * H + h
-            m = tl.load(ws_ml_ptr + ws * 2, mask=hmask & live, other=-float("inf"))
-            l = tl.load(ws_ml_ptr + ws * 2 + 1, mask=hmask & live, other=0.0)
-            acc = tl.load(ws_acc_ptr + ws[:, None] * D + d[None, :], mask=mask & live, other=0.0)
-            M, Ls, ACC = _fold(M, Ls, ACC, m, l, acc)
-    o = _finalize(Ls, ACC)
+    o = _merge(ws_acc_ptr, ws_ml_ptr, t, h, hmask, k_lo // SEG, pos // SEG, BLOCK_H, H, D, BLOCK_D, MAX_SEGS, "")
     dst = out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (d[None, :] < D))

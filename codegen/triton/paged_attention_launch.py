@@ -10,8 +10,11 @@ tables are read from device memory):
           start(s) is at least that. Programs past a sequence's blocks return.
   axis 1: Hkv (each program serves the H / Hkv query heads of one KV head: GQA rows)
   axis 2: MAX_SEGS = cdiv(max_model_len, SEG) when split, else 1.
-Split needs f32 workspaces ws_acc [T, MAX_SEGS, H, D] and ws_ml [T, MAX_SEGS, H, 2],
-`positions` (the step input) and the merge launch, grid (T, cdiv(H, BLOCK_H)).
+Split needs f32 workspaces ws_acc [T, MAX_SEGS, H, D] and ws_ml [T, MAX_SEGS, H, 2]. A
+decode batch merges the segments in the attention kernel (MERGE): that needs an i32
+counter [S, Hkv], zero before the launch (the kernel leaves it zero). Otherwise (prefill
+and mixed batches, or fuse_merge=False) the merge is a second launch, grid
+(T, cdiv(H, BLOCK_H)), that needs `positions` (the step input). Both give the same bits.
 """
 from __future__ import annotations
 
@@ -33,18 +36,26 @@ def attention_block_q(h: int, hkv: int, config: AttentionConfig, decode: bool = 
     return max(next_pow2(bq), cdiv(16, next_pow2(h // hkv)))
 
 
+def merges_in_kernel(split: bool, decode: bool, fuse_merge: bool = True) -> bool:
+    """Whether the attention kernel merges its split-KV segments itself (no merge launch)."""
+    return split and decode and fuse_merge
+
+
 def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: int, *, split: bool,
                           max_model_len: int, dtype: str = "bfloat16", out_dtype: str | None = None,
                           config: AttentionConfig, decode: bool = False,
-                          cache_dtype: str | None = None) -> list[KernelSpec]:
+                          cache_dtype: str | None = None, fuse_merge: bool = True) -> list[KernelSpec]:
     """decode: every sequence has exactly one query (t == num_seqs), so program s serves
-    sequence s; the rows per program, warps and stages are the config's decode ones."""
+    sequence s; the rows per program, warps and stages are the config's decode ones.
+    fuse_merge: a split decode merges in the attention kernel (merges_in_kernel); False keeps
+    the merge launch."""
     check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
     check(config.tile >= 16 and config.tile == next_pow2(config.tile),
           "paged_attention: tile must be a power of 2 >= 16")
     check(not decode or t == num_seqs, f"paged_attention: a decode batch has one query per sequence "
           f"({t} queries, {num_seqs} sequences)")
     bq = attention_block_q(h, hkv, config, decode)
+    fused = merges_in_kernel(split, decode, fuse_merge)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
     warps, stages = ((config.num_warps, config.num_stages) if decode
                      else (config.prefill_num_warps, config.prefill_num_stages))
@@ -55,15 +66,15 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
         signature=dict(q_ptr=p, **i32("stride_qt", "stride_qh"), cache_ptr=sig_type(cache_dtype or dtype),
                        **i32("stride_cb", "stride_ckv", "stride_cp", "stride_ch"), bt_ptr="*i32", stride_bt="i32",
                        seq_lens_ptr="*i32", qsl_ptr="*i32", num_seqs="i32", out_ptr=o,
-                       **i32("stride_ot", "stride_oh"), ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", qk_scale="fp32",
-                       window="i32"),
+                       **i32("stride_ot", "stride_oh"), ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", cnt_ptr="*i32",
+                       qk_scale="fp32", window="i32"),
         constexprs=dict(H=h, HKV=hkv, D=d, BLOCK_D=next_pow2(d), BS=bs, G_PAD=next_pow2(h // hkv), BLOCK_Q=bq,
                         TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
-                        INTERPRET=False),
+                        INTERPRET=False, MERGE=fused),
         grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
         num_warps=warps, num_stages=stages,
         divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))
-    if not split:
+    if not split or fused:
         return [main]
     block_h = min(next_pow2(h), 4)  # more programs: a batch-1 merge is latency, not bandwidth
     merge = KernelSpec(
@@ -78,14 +89,15 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
 
 def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, *, scale: float,
                     sliding_window: int = 0, split: bool = False, max_model_len: int | None = None,
-                    positions=None, workspace=None, config: AttentionConfig | None = None,
-                    configs: Configs = DEFAULT, decode: bool = False):
+                    positions=None, workspace=None, counter=None, config: AttentionConfig | None = None,
+                    configs: Configs = DEFAULT, decode: bool = False, fuse_merge: bool = True):
     """q: [T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32[S, MB]; seq_lens: i32[S];
-    query_start_loc: i32[S+1] -> out: [T, H, D]. Split: positions i32[T], workspace
-    (ws_acc, ws_ml) or None on the host; max_model_len defaults to MB * BS. decode: one
-    query per sequence (T == S), served by the decode kernel variant."""
-    q, cache, block_table, seq_lens, query_start_loc, out, positions = map(
-        as_buf, (q, cache, block_table, seq_lens, query_start_loc, out, positions))
+    query_start_loc: i32[S+1] -> out: [T, H, D]. Split: workspace (ws_acc, ws_ml), and
+    positions i32[T] for a merge launch or a zeroed counter i32[S, Hkv] for the merge in
+    the kernel (merges_in_kernel); on the host each may be None. max_model_len defaults to
+    MB * BS. decode: one query per sequence (T == S), served by the decode kernel variant."""
+    q, cache, block_table, seq_lens, query_start_loc, out, positions, counter = map(
+        as_buf, (q, cache, block_table, seq_lens, query_start_loc, out, positions, counter))
     t, h, d = shape_of(q)
     _, two, bs, hkv, d2 = shape_of(cache)
     check(two == 2 and d2 == d, f"paged_attention: cache {list(shape_of(cache))} does not fit q {[t, h, d]}")
@@ -110,8 +122,8 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     config = config or configs.attention(h, hkv, d, max_model_len)
     specs = paged_attention_specs(t, h, hkv, d, bs, s, split=split, max_model_len=max_model_len,
                                   dtype=dtype_name(q), out_dtype=dtype_name(out), config=config, decode=decode,
-                                  cache_dtype=dtype_name(cache))
-    max_segs = specs[0].constexprs["MAX_SEGS"]
+                                  cache_dtype=dtype_name(cache), fuse_merge=fuse_merge)
+    max_segs, fused = specs[0].constexprs["MAX_SEGS"], specs[0].constexprs["MERGE"]
     if split:
         if workspace is None:
             check(getattr(out, "on_host", False), "paged_attention: split needs device workspaces "
@@ -120,17 +132,28 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
         ws_acc, ws_ml = map(as_buf, workspace)
         check_shape(ws_acc, (t, max_segs, h, d), "paged_attention ws_acc")
         check_shape(ws_ml, (t, max_segs, h, 2), "paged_attention ws_ml")
-        if positions is None:
-            check(getattr(out, "on_host", False), "paged_attention: split needs `positions` on the device")
-            positions = as_buf(_positions(query_start_loc.array, seq_lens.array, t))
-        check_shape(positions, (t,), "positions")
+        if fused:
+            if counter is None:
+                check(getattr(out, "on_host", False), f"paged_attention: a split decode needs a zeroed device "
+                      f"counter i32[{s}, {hkv}]")
+                counter = as_buf(np.zeros((s, hkv), np.int32))
+            check_shape(counter, (s, hkv), "paged_attention counter")
+            check_dtype(counter, ("int32",), "paged_attention counter")
+        else:
+            if positions is None:
+                check(getattr(out, "on_host", False), "paged_attention: split needs `positions` on the device")
+                positions = as_buf(_positions(query_start_loc.array, seq_lens.array, t))
+            check_shape(positions, (t,), "positions")
     else:
         ws_acc = ws_ml = out  # unused
+    if not fused:
+        counter = seq_lens  # unused (an i32 buffer, as the signature says)
     sq, sc, so = strides_of(q), strides_of(cache), strides_of(out)
     qk_scale = float(scale) * math.log2(math.e)
     launch(specs[0], [q, sq[0], sq[1], cache, sc[0], sc[1], sc[2], sc[3], block_table, strides_of(block_table)[0],
-                      seq_lens, query_start_loc, s, out, so[0], so[1], ws_acc, ws_ml, qk_scale, int(sliding_window)])
-    if split:  # n_rows_ptr = &query_start_loc[S]: the live token count
+                      seq_lens, query_start_loc, s, out, so[0], so[1], ws_acc, ws_ml, counter, qk_scale,
+                      int(sliding_window)])
+    if split and not fused:  # n_rows_ptr = &query_start_loc[S]: the live token count
         launch(specs[1], [ws_acc, ws_ml, positions, tail(query_start_loc, s), out, so[0], so[1], int(sliding_window)])
     return out.array if getattr(out, "on_host", False) else out
 

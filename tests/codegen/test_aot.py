@@ -52,6 +52,9 @@ def all_specs():
     for split in (False, True):  # split adds the merge kernel
         specs += paged_attention_specs(T, H, HKV, D, BS, S, split=split, max_model_len=8192,
                                        config=AttentionConfig())
+    # a split decode merges in the attention kernel (atomic counter, L1-bypassing loads)
+    specs += paged_attention_specs(S, H, HKV, D, BS, S, split=True, max_model_len=8192, config=AttentionConfig(),
+                                   decode=True)
     specs.append(gather_rows_spec(T, HID, config=c.elementwise("embedding", HID)))
     specs.append(argmax_spec(S, V, config=c.elementwise("argmax", V)))
     return specs

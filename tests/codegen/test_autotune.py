@@ -258,6 +258,9 @@ def test_the_attention_rig_times_the_kernels_a_bundle_runs(kv):
         plan = [(cache_key(s, "sm_90"), s.grid) for s, _ in lowered(graph, bucket, buckets, 512)
                 if s.kernel in ("paged_attention_kernel", "attention_merge_kernel")]
         assert got == plan[:len(got)], case.name  # spec, hints and grid of the layer's launches
+        if case.split:  # a split decode merges in the attention kernel, as the plan does: one launch
+            (main,) = specs_of(rig.timed(default))
+            assert main.constexprs["MERGE"] and rig.counter is not None, case.name
 
 
 # -- row and elementwise kernels ----------------------------------------------------------
@@ -423,8 +426,10 @@ def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkey
     assert main(["tune", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "schedules"), "--compile-only",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
     assert not (tmp_path / "schedules").exists()
-    assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "attention_merge_kernel", "rms_norm_kernel",
-                     "attention_preamble_kernel", "gather_rows_kernel"}  # silu_mul: the gate/up GEMM's epilogue
+    # no silu_mul (the gate/up GEMM's epilogue) and no attention_merge (split decode merges in
+    # the attention kernel; prefill does not split)
+    assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "rms_norm_kernel",
+                     "attention_preamble_kernel", "gather_rows_kernel"}
     assert "nothing timed, nothing written" in capsys.readouterr().err
 
 

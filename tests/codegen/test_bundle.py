@@ -37,19 +37,31 @@ def test_every_bucket_compiles_and_round_trips(arch, target, tmp_path):
     assert used | sampler == set(b.kernels)  # every launched kernel has its cubin, nothing extra
     assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
     # every plan kernel overlaps its predecessor's tail (codegen/triton/pdl.py) but a GEMM right
-    # behind a GEMM (the down projection behind gate/up with the SiLU epilogue); the sampler's
-    # kernels run after the step's graph and are launched plainly
+    # behind a GEMM (the down projection behind gate/up with the SiLU epilogue) or behind the
+    # decode attention that merges its segments (o_proj); the sampler's kernels run after the
+    # step's graph and are launched plainly
     assert b.manifest["pdl"] is True
     meta = b.manifest["kernels"]
-    gemm_after_gemm = 0
+    plain_launches = 0
     for p in plans.values():
         names = [meta[key]["name"] for key, _, _ in p["launches"]]
+        decode = p["bucket"][3]
         for i, key in enumerate(k for k, _, _ in p["launches"]):
-            plain = i > 0 and names[i - 1] == names[i] == "gemm_kernel"
-            gemm_after_gemm += plain
+            plain = i > 0 and names[i] == "gemm_kernel" and (
+                names[i - 1] == "gemm_kernel" or (decode and names[i - 1] == "paged_attention_kernel"))
+            plain_launches += plain
             assert meta[key]["pdl"] is not plain, f"{p['bucket']} launch {i} ({names[i]})"
-    assert gemm_after_gemm == 2 * len(plans)  # tiny models have 2 layers: one down GEMM each
+    decode_plans = sum(p["bucket"][3] for p in plans.values())
+    # tiny models have 2 layers: one down GEMM each, and one o_proj per decode layer
+    assert plain_launches == 2 * len(plans) + 2 * decode_plans
     assert not any(meta[k]["pdl"] for k in sampler)
+    # split-KV decode buckets merge in the attention kernel: no merge launch, and counters for the
+    # largest decode bucket's (sequence, KV head) pairs, zeroed by the runtime at load
+    for p in plans.values():
+        names = [meta[key]["name"] for key, _, _ in p["launches"]]
+        assert "attention_merge_kernel" not in names, p["bucket"]
+        assert names.count("paged_attention_kernel") == cfg.num_hidden_layers
+    assert b.manifest["region_bytes"]["attn_merge_counter"] == 4 * 8 * cfg.num_key_value_heads
     b.write(tmp_path / "b")
     back = Bundle.read(tmp_path / "b", expect_target=target, expect_config_hash=cfg.compute_hash())
     assert back.manifest["plans"] == plans and back.kernels == b.kernels

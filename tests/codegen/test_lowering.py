@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kiln.codegen.buckets import Bucket
-from kiln.codegen.lower import REGION_SHIFT, Regions, input_layout, lower_bucket
+from kiln.codegen.lower import MERGE_COUNTER, REGION_SHIFT, Regions, input_layout, lower_bucket
 from kiln.codegen.triton.configs import DEFAULT, Configs
 from kiln.codegen.triton.launch import Buf, launch
 from kiln.graph import DType, to_numpy
@@ -72,14 +72,15 @@ BUCKETS = [Bucket(4, 4, 4, True), Bucket(64, 4, 4, False)]  # decode, mixed
 class _Plan:
     """The graph lowered for BUCKETS with `configs`, run launch by launch on host buffers."""
 
-    def __init__(self, cfg, graph, weights, configs):
+    def __init__(self, cfg, graph, weights, configs, fuse_merge=True):
         self.cfg, self.graph = cfg, graph
         self.mb = MAX_LEN // BS
         self.plan = plan_memory(graph, {"T": 64, "S": 4, "S1": 5, "L": 4, "MB": self.mb})
         self.regions = regions = Regions()
         regions.need("arena", self.plan.arena_bytes)
         self.lowered = {b: lower_bucket(graph, self.plan, b, max_blocks_per_seq=self.mb, regions=regions,
-                                        max_model_len=MAX_LEN, configs=configs) for b in BUCKETS}
+                                        max_model_len=MAX_LEN, configs=configs, fuse_merge=fuse_merge)
+                        for b in BUCKETS}
         self.ref = CpuExecutor(graph, weights.__getitem__, NB)
         self.arrays = []
         for name in regions.names:
@@ -90,6 +91,8 @@ class _Plan:
                 self.arrays.append(np.zeros(self.ref.states[key].nbytes, np.uint8))
             elif kind == "const":
                 self.arrays.append(np.ascontiguousarray(regions.consts[key]).reshape(-1).view(np.uint8))
+            elif name == MERGE_COUNTER:  # zeroed at load, as the runtime does; the kernel keeps it so
+                self.arrays.append(np.zeros(regions.sizes[name], np.uint8))
             else:
                 self.arrays.append(np.full(regions.sizes[name], 0xFF, np.uint8))  # NaN bytes: stale reads show
 
@@ -196,3 +199,35 @@ def test_fused_swiglu_plan_gives_the_unfused_plans_bits(configs):
     for (got, _), (want, _), what in zip(fused.prefill_then_decode(), plain.prefill_then_decode(),
                                          ("mixed", "decode")):
         assert same_bits(got, want), f"{what} step: the fused SwiGLU plan's logits differ from the unfused plan's"
+
+
+def _small_segments(op, key):
+    """16-key segments: the decode step's sequences (5, 33 and 17 keys) span 1 to 3 of 8."""
+    return {"tile": 16, "seg": 16} if op == "paged_attention" else None
+
+
+def test_decode_plan_merges_split_kv_in_the_attention_kernel():
+    """A split-KV decode bucket launches one attention kernel per layer, which merges its
+    segments itself (MERGE); its counters are all zero again after the step; and the logits
+    are the bits of the plan that merges in a second launch (attention_merge_kernel)."""
+    cfg, graph, weights = _model("LlamaForCausalLM")
+    configs = Configs(lookup=_small_segments)
+    fused = _Plan(cfg, graph, weights, configs)
+    decode = [spec for spec, _ in fused.lowered[BUCKETS[0]]]
+    attn = [s for s in decode if s.kernel == "paged_attention_kernel"]
+    assert len(attn) == cfg.num_hidden_layers
+    assert all(s.constexprs["SPLIT"] and s.constexprs["MERGE"] and s.grid[2] == 8 for s in attn)
+    assert "attention_merge_kernel" not in {s.kernel for s in decode}
+    hkv = graph.tensors[next(n for n in graph.nodes.values() if n.op == "paged_attention").inputs[1]].shape[3]
+    assert fused.regions.sizes[MERGE_COUNTER] == 4 * BUCKETS[0].seqs * hkv
+    mixed = [spec for spec, _ in fused.lowered[BUCKETS[1]]]
+    assert not any(s.constexprs.get("MERGE") for s in mixed)
+    got = fused.prefill_then_decode()
+    assert not fused.arrays[fused.regions.names.index(MERGE_COUNTER)].any(), "a merge counter was left nonzero"
+
+    plain = _Plan(cfg, graph, weights, configs, fuse_merge=False)
+    kernels = [spec.kernel for spec, _ in plain.lowered[BUCKETS[0]]]
+    assert kernels.count("attention_merge_kernel") == cfg.num_hidden_layers
+    assert len(kernels) == len(decode) + cfg.num_hidden_layers and MERGE_COUNTER not in plain.regions.names
+    for (a, _), (b, _), what in zip(got, plain.prefill_then_decode(), ("mixed", "decode")):
+        assert same_bits(a, b), f"{what} step: merging in the attention kernel changed the logits"

@@ -175,3 +175,45 @@ def test_padded_bucket_writes_only_live_rows(rng):
         run(qp, cache, btp, slp, qslp, out=out, split=split, positions=pos)
         assert same_bits(out[:t], live)
         assert (f32(out[t:]) == 3.0).all()
+
+
+@pytest.mark.parametrize("cache_dtype,window", [(BF16, 0), (FP8, 0), (BF16, 40)], ids=["bf16", "fp8", "bf16-window"])
+def test_merge_in_kernel_gives_the_merge_launch_bits(rng, cache_dtype, window):
+    """A split decode merges its segments in the attention kernel (the default): the same bits
+    as the attention kernel + attention_merge_kernel, f32 and bf16 out, for sequences shorter
+    than a segment, ending on a segment boundary or just past one, and leaving most of the 10
+    segments empty (with a window, leading ones too); padded sequences (T = S padded, as in a
+    decode bucket) leave their rows untouched; the counters are all zero after the launch."""
+    from kiln.codegen.triton.paged_attention_launch import paged_attention_specs
+
+    h, hkv, d, mb, mml = 8, 2, 32, 80, 320
+    cfg = AttentionConfig(block_q=4, tile=16, seg=32)  # 10 segments of 2 tiles
+    lens = [1, 7, 32, 33, 100, 127, 300]
+    pad = 2
+    s = len(lens) + pad
+    specs = paged_attention_specs(s, h, hkv, d, BS, s, split=True, max_model_len=mml, config=cfg, decode=True)
+    assert [x.kernel for x in specs] == ["paged_attention_kernel"] and specs[0].constexprs["MERGE"]
+    scale = 4.0 if cache_dtype == FP8 else 1.0
+    cache = rand(rng, (2 * mb, 2, BS, hkv, d), cache_dtype, scale=scale)
+    bt = np.stack([rng.permutation(2 * mb)[:mb] for _ in range(s)]).astype(np.int32)
+    sl = np.array(lens + [0] * pad, np.int32)
+    qsl = np.array(list(range(len(lens) + 1)) + [len(lens)] * pad, np.int32)
+    q = rand(rng, (s, h, d))
+    pos = np.array([n - 1 for n in lens] + [0] * pad, np.int32)
+    for out_dtype in (np.float32, BF16):
+        outs = {}
+        for fuse in (True, False):
+            out = np.full((s, h, d), 3.0, out_dtype)
+            counter = np.zeros((s, hkv), np.int32)
+            segs = mml // cfg.seg  # NaN workspaces: a read of a partial nobody stored shows
+            ws = (np.full((s, segs, h, d), np.nan, np.float32), np.full((s, segs, h, 2), np.nan, np.float32))
+            paged_attention(q, cache, bt, sl, qsl, out, scale=d ** -0.5, sliding_window=window, split=True,
+                            max_model_len=mml, positions=pos, workspace=ws, counter=counter, config=cfg,
+                            decode=True, fuse_merge=fuse)
+            assert not counter.any(), "a merge counter was left nonzero"
+            assert (f32(out[len(lens):]) == 3.0).all(), "a padded row was written"
+            outs[fuse] = out
+        assert same_bits(outs[True], outs[False]), f"{np.dtype(out_dtype).name} out: the fused merge changed the bits"
+    ref = ops.paged_attention(q[:len(lens)], cache, bt[:len(lens)], sl[:len(lens)], qsl[:len(lens) + 1],
+                              scale=d ** -0.5, sliding_window=window)
+    assert_close(outs[True][:len(lens)], ref, what="fused split decode, bf16 out")

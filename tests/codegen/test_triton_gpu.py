@@ -127,9 +127,11 @@ def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
     out = torch.empty((t, h, d), dtype=torch.float32, device="cuda")
     ws = (torch.empty((t, segs, h, d), dtype=torch.float32, device="cuda"),
           torch.empty((t, segs, h, 2), dtype=torch.float32, device="cuda"))
+    counter = torch.zeros((len(sl), cache.shape[3]), dtype=torch.int32, device="cuda")  # split decode merges in-kernel
     pos = np.concatenate([np.arange(L - (qsl[i + 1] - qsl[i]), L) for i, L in enumerate(sl)]).astype(np.int32)
     paged_attention(dev(q), dev(cache), dev(bt), dev(sl), dev(qsl), out, scale=d ** -0.5, split=split,
-                    positions=dev(pos), workspace=ws, config=cfg, decode=decode)
+                    positions=dev(pos), workspace=ws, counter=counter, config=cfg, decode=decode)
+    assert not counter.any().item(), "a merge counter was left nonzero"
     return host(out)
 
 
@@ -176,6 +178,48 @@ def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
     chunk = attention(np.ascontiguousarray(q[qsl[1] + 300:qsl[2]]), cache, bt[1:2], sl[1:2],
                       np.array([0, n - 300], np.int32), False, cfg)
     assert same_bits(chunk, full[qsl[1] + 300:qsl[2]]), "chunked prefill differs"
+
+
+@pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_attention_merge_in_kernel_gives_the_merge_launch_bits_on_gpu(cache_dtype):
+    """A split decode merged in the attention kernel (the last segment program of each
+    (sequence, KV head) to count itself in merges, then zeroes the counter) against the
+    attention kernel + attention_merge_kernel: the same bits, f32 and bf16 out, with and
+    without a window; sequences shorter than a segment, on and just past segment boundaries,
+    and up to all 64 segments; padded sequences untouched; the counters zero after every
+    launch. Ten launches each on one counter buffer, to give a missed ordering a chance."""
+    from kiln.codegen.triton.paged_attention_launch import paged_attention
+
+    rng = np.random.default_rng(4)
+    h, hkv, d, bs, mml = 32, 8, 128, 16, 8192
+    cfg = AttentionConfig(seg=128)  # tile 64: 64 segments of 2 tiles
+    lens = [1, 50, 128, 129, 700, 1000, 3000, 4095, 4096, 8192, 6001, 256]
+    pad = 4
+    s, mb, nb = len(lens) + pad, mml // bs, 1024
+    cache = dev(rand(rng, (nb, 2, bs, hkv, d), cache_dtype, scale=8.0 if cache_dtype == FP8 else 1.0))
+    bt = dev(np.stack([rng.permutation(nb)[:mb] for _ in range(s)]).astype(np.int32))
+    sl = dev(np.array(lens + [0] * pad, np.int32))
+    qsl = dev(np.array(list(range(len(lens) + 1)) + [len(lens)] * pad, np.int32))
+    pos = dev(np.array([n - 1 for n in lens] + [0] * pad, np.int32))
+    q = dev(rand(rng, (s, h, d)))
+    segs = mml // cfg.seg
+    ws = (torch.full((s, segs, h, d), float("nan"), dtype=torch.float32, device="cuda"),
+          torch.full((s, segs, h, 2), float("nan"), dtype=torch.float32, device="cuda"))
+    counter = torch.zeros((s, hkv), dtype=torch.int32, device="cuda")
+    for window in (0, 1000):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            def run(fuse):
+                out = torch.full((s, h, d), 3.0, dtype=out_dtype, device="cuda")
+                paged_attention(q, cache, bt, sl, qsl, out, scale=d ** -0.5, sliding_window=window, split=True,
+                                max_model_len=mml, positions=pos, workspace=ws, counter=counter, config=cfg,
+                                decode=True, fuse_merge=fuse)
+                return host(out)
+            want = run(False)
+            assert np.isfinite(f32(want[:len(lens)])).all() and (f32(want[len(lens):]) == 3.0).all()
+            for i in range(10):
+                got = run(True)
+                assert not counter.any().item(), f"window {window}, {out_dtype}: a counter was left nonzero"
+                assert same_bits(got, want), f"window {window}, {out_dtype}, launch {i}: the fused merge differs"
 
 
 def test_elementwise_kernels_on_gpu():
