@@ -242,3 +242,46 @@ def test_async_scheduling_feeds_sampled_ids_on_the_device(tmp_path):
     assert not runner._in_flight
     stats = llm.stats()
     assert stats["num_running_reqs"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"] - 1
+
+
+def test_abort_while_steps_are_in_flight_on_the_device_path(tmp_path):
+    """Aborting requests while a step that samples for them is queued (its ids still on the
+    device): their tokens are never reported, the placeholders settle before their rows are
+    reused, every KV block returns, and the other requests get the synchronous engine's tokens."""
+    pytest.importorskip("torch")
+    from kiln import LLM
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path, "llama_gqa_untied")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(2, 20, size=6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    common = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, kv_cache_tokens=1024, max_num_seqs=8)
+    sync = LLM(tmp_path, **common)
+    _on_host_device(sync)
+    want = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(sync.generate(prompts, params))}
+
+    llm = LLM(tmp_path, async_scheduling=True, **common)
+    _on_host_device(llm)
+    eng, runner = llm.engine, llm.engine.core.runner
+    free0 = eng.core.snapshot()["num_free_blocks"]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {}
+
+    def step():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids[len(got.get(o.request_id, [])):])
+    for _ in range(4):
+        step()
+    assert runner._in_flight, "the abort was meant to land while a step's ids were on the device"
+    eng.abort_request(["r1", "r4"])
+    seen_after = {rid: len(t) for rid, t in got.items()}
+    while eng.has_unfinished_requests():
+        step()
+    assert {rid: len(t) for rid, t in got.items() if rid in ("r1", "r4")} == \
+        {rid: n for rid, n in seen_after.items() if rid in ("r1", "r4")}, "tokens of aborted requests were reported"
+    for rid in ("r0", "r2", "r3", "r5"):
+        assert got[rid] == want[rid], rid
+    assert runner.fed_steps > 0 and not runner._in_flight
+    assert eng.core.snapshot()["num_free_blocks"] == free0
