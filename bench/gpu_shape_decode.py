@@ -4,7 +4,7 @@ and one-prompt prefill speed.
 
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
         [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
-        [--fuse-silu auto|off] [--fuse-merge auto|off] [--json OUT]
+        [--fuse-silu auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -133,6 +133,10 @@ def main() -> None:
                     "off = attention_merge_kernel after it, as before")
     ap.add_argument("--pdl", choices=("auto", "off"), default="auto",
                     help="programmatic dependent launch for the plans' kernels (auto: on for sm_90)")
+    ap.add_argument("--pdl-plain", default="named",
+                    help="which GEMMs launch without PDL (codegen/compile.py pdl_launches): named (a GEMM behind a "
+                    "GEMM or behind the merging attention), none, or wide:N (a GEMM behind any kernel of more "
+                    "than N programs)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
@@ -150,9 +154,10 @@ def main() -> None:
                             max_num_batched_tokens=max(2048, a.prefill), block_size=16,
                             batch_invariant=not a.no_batch_invariance,
                             configs=Configs(lookup=_lookup(a)), pdl=None if a.pdl == "auto" else False,
-                            fuse_merge=a.fuse_merge == "auto")
+                            fuse_merge=a.fuse_merge == "auto", pdl_plain=a.pdl_plain)
     res["tuned"] = not a.untuned
     res["pdl"] = bundle.manifest["pdl"]
+    res["pdl_plain"] = a.pdl_plain
     res["gemm_tma"] = a.gemm_tma
     res["gemm_fold"] = a.gemm_fold
     res["fuse_silu"] = a.fuse_silu

@@ -23,19 +23,36 @@ TARGETS = {"sm_90": "sm_90", "sm_121": "sm_121"}
 PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
 
 
-def pdl_launches(launches: list) -> list:
+PDL_PLAIN_RULES = ("named", "none", "wide:N")  # see pdl_launches
+
+
+def pdl_launches(launches: list, plain: str = "named") -> list:
     """The plan's launches compiled for programmatic dependent launch (codegen/triton/pdl.py),
-    except a GEMM right behind another GEMM or behind the attention kernel that merges its
-    split-KV segments itself (MERGE): those go out plainly. Measured on the H200, batch-1
-    decode graph (docs/GPU_NOTES.md): the down GEMM launched early behind gate/up (SiLU in its
-    epilogue) 4.45 ms, plainly 4.29; o_proj launched early behind the merging attention 4.51 ms,
-    plainly 4.31 (4.36 with the merge as its own launch). Everywhere else the early launch helps
-    (4.45 -> 4.39 ms when PDL came in)."""
+    but the GEMMs that `plain` names, which go out plainly:
+      named   (the default) a GEMM right behind another GEMM, or behind the attention kernel
+              that merges its split-KV segments itself (MERGE). Measured on the H200, batch-1
+              decode graph (docs/GPU_NOTES.md): the down GEMM launched early behind gate/up
+              (SiLU in its epilogue) 4.45 ms, plainly 4.29; o_proj launched early behind the
+              merging attention 4.51 ms, plainly 4.31 (4.36 with the merge as its own launch).
+              Everywhere else the early launch helps (4.45 -> 4.39 ms when PDL came in).
+      none    every launch early;
+      wide:N  a GEMM behind any kernel of more than N programs: a candidate general rule
+              (bench/gpu_shape_decode.py --pdl-plain), not measured yet."""
+    wide = None
+    if plain.startswith("wide:"):
+        wide = int(plain[5:])
+    elif plain not in ("named", "none"):
+        raise ValueError(f"pdl plain rule {plain!r}: one of {', '.join(PDL_PLAIN_RULES)}")
     out, prev = [], None
     for spec, args in launches:
-        plain = prev is not None and spec.kernel == "gemm_kernel" and (
-            prev.kernel == "gemm_kernel" or (prev.kernel == "paged_attention_kernel" and bool(prev.constexprs.get("MERGE"))))
-        out.append((spec if plain else spec.with_pdl(), args))
+        go_plain = False
+        if prev is not None and spec.kernel == "gemm_kernel":
+            if wide is not None:
+                go_plain = int(np.prod(prev.grid)) > wide
+            elif plain == "named":
+                go_plain = prev.kernel == "gemm_kernel" or (
+                    prev.kernel == "paged_attention_kernel" and bool(prev.constexprs.get("MERGE")))
+        out.append((spec if go_plain else spec.with_pdl(), args))
         prev = spec
     return out
 
@@ -52,8 +69,9 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
                    progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True,
-                   pdl: bool | None = None, fuse_merge: bool = True) -> Bundle:
-    """pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py);
+                   pdl: bool | None = None, fuse_merge: bool = True, pdl_plain: str = "named") -> Bundle:
+    """pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py),
+    but the GEMMs pdl_launches' rule `pdl_plain` names;
     None: wherever the target has it (sm_90 and later, i.e. every GPU target). fuse_merge:
     split-KV decode merges in the attention kernel (False: a merge launch, to A/B it)."""
     if target not in TARGETS:
@@ -73,7 +91,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     if pdl is None:
         pdl = target in PDL_TARGETS
     if pdl:  # the sampler's kernels (below) run after the graph, launched plainly
-        recorded = {b: pdl_launches(launches) for b, launches in recorded.items()}
+        recorded = {b: pdl_launches(launches, pdl_plain) for b, launches in recorded.items()}
     specs: dict[str, Any] = {}
     for launches in recorded.values():
         for spec, _ in launches:

@@ -70,6 +70,33 @@ def test_every_bucket_compiles_and_round_trips(arch, target, tmp_path):
         np.testing.assert_array_equal(back.consts[k], b.consts[k])
 
 
+def test_pdl_plain_rules_pick_the_gemms_that_launch_without_pdl():
+    """codegen/compile.py pdl_launches on a decode layer's launch order: which GEMMs go out plainly."""
+    from types import SimpleNamespace
+
+    from kiln.codegen.compile import pdl_launches
+
+    def spec(kernel, grid, **const):
+        s = SimpleNamespace(kernel=kernel, grid=grid, constexprs=const)
+        s.with_pdl = lambda: SimpleNamespace(kernel=kernel, grid=grid, constexprs={**const, "PDL": True})
+        return s
+
+    layer = [spec("rms_norm_kernel", (1,)), spec("gemm_kernel", (96, 1, 1)),  # qkv
+             spec("attention_preamble_kernel", (1, 5, 1)), spec("paged_attention_kernel", (1, 8, 64), MERGE=True),
+             spec("gemm_kernel", (128, 1, 1)), spec("rms_norm_kernel", (1,)),  # o_proj, add + norm
+             spec("gemm_kernel", (896, 1, 1)), spec("gemm_kernel", (64, 1, 2))]  # gate/up with SiLU, down
+
+    def plain(rule):
+        return [i for i, (s, _) in enumerate(pdl_launches([(s, None) for s in layer], rule))
+                if not s.constexprs.get("PDL")]
+    assert plain("named") == [4, 7]  # (the first launch is compiled for PDL; the executor launches it plainly)
+    assert plain("none") == []
+    assert plain("wide:132") == [4, 7]  # behind 512 and 896 programs
+    assert plain("wide:1000") == []
+    with pytest.raises(ValueError, match="pdl plain rule"):
+        pdl_launches([(layer[0], None)], "sometimes")
+
+
 def test_foreign_or_corrupt_bundles_are_refused(tmp_path):
     b, cfg = _bundle("Qwen3ForCausalLM", "sm_90")
     b.write(tmp_path / "b")
