@@ -13,6 +13,10 @@ codegen/triton/sampling.py), on the executor's stream, right after the plan:
   processors, sample, then logprobs of the sampled tokens on the raw copies
   download  one copy back: the sampled ids, plus the logprobs tensors when asked
 
+sample() is launch() then collect(). Under async scheduling the model runner launches a
+step, queues the next one (its input ids fed from this step's sampled ids on the device,
+feed()), and only then collects: two steps' pinned buffers are in use at a time.
+
 Top-k logprobs beyond MAX_TOP_LOGPROBS (logprobs=-1 asks for the whole vocabulary)
 are gathered on the host from downloaded raw rows instead: the kernel's top-K is K
 passes over the row.
