@@ -308,24 +308,21 @@ class ModelRunner:
         sample_idx = plan.sample_idx
         states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
         md = self._metadata(states) if states else None
-        while len(self._in_flight) > 1:  # (the sampler keeps two steps' buffers)
-            self.collect(self._in_flight[0])
         feed = None
         if self._in_flight:
             if md is not None and (not md.no_penalties or md.bad_words_token_ids):
                 self.flush()  # penalties and bad words read the tokens themselves, on the host
             else:
                 feed = self._feed(plan, self._in_flight[-1])
-        inputs = self._step_inputs(plan)
-        launch = (self.executor.launch_and_sample if self.defer_outputs and self.gpu_sampler.can_feed
-                  else None)
-        if launch is None:
-            out, prompt = self.executor.execute_and_sample(
-                inputs, self.gpu_sampler, rows, md, seeds=[s.params.seed for s in states], prompt=list(jobs.values()))
+        inputs, seeds = self._step_inputs(plan), [s.params.seed for s in states]
+        if not (self.defer_outputs and self.gpu_sampler.can_feed):
+            out, prompt = self.executor.execute_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
+                                                           prompt=list(jobs.values()))
             prompt_lps.update(zip(jobs, prompt))
             return self._output(plan, sample_idx, states, out, prompt_lps)
-        handle = launch(inputs, self.gpu_sampler, rows, md, seeds=[s.params.seed for s in states],
-                        prompt=list(jobs.values()), feed=feed)
+        # (at most one step is in flight here: each deferred launch below reads its predecessor back)
+        handle = self.executor.launch_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
+                                                 prompt=list(jobs.values()), feed=feed)
         self.fed_steps += feed is not None
         # placeholders where the sampled tokens go: the next step's lengths count them, and
         # its input ids at those places are fed on the device (_feed)
