@@ -109,6 +109,12 @@ class ModelRunner:
         self._in_flight: list[PendingOutput] = []  # oldest first
         self.fed_steps = 0  # steps launched with ids fed from the step before (for tests and stats)
 
+    @property
+    def launches_ahead(self) -> bool:
+        """execute_model returns once its step is queued on the device, without waiting for it
+        (deferred outputs, a sampler that feeds ids): a caller can run it on its own thread."""
+        return self.defer_outputs and self.gpu_sampler is not None and self.gpu_sampler.can_feed
+
     # -- state from the scheduler's diff (see sched_output.py) --------------------------
     def _drop(self, rid: str) -> None:
         st = self.requests.pop(rid, None)

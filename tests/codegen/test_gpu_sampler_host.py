@@ -240,6 +240,8 @@ def test_async_scheduling_feeds_sampled_ids_on_the_device(tmp_path):
         if sp.repetition_penalty == 1:
             assert runner.fed_steps > fed  # decode steps took their ids from the step before
     assert not runner._in_flight
+    # a runner that only queues its steps runs on the engine's thread: no worker thread started
+    assert runner.launches_ahead and llm.engine.core._worker is None
     stats = llm.stats()
     assert stats["num_running_reqs"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"] - 1
 
@@ -283,5 +285,35 @@ def test_abort_while_steps_are_in_flight_on_the_device_path(tmp_path):
         {rid: n for rid, n in seen_after.items() if rid in ("r1", "r4")}, "tokens of aborted requests were reported"
     for rid in ("r0", "r2", "r3", "r5"):
         assert got[rid] == want[rid], rid
-    assert runner.fed_steps > 0 and not runner._in_flight
+    assert runner.fed_steps > 0 and not runner._in_flight and eng.core._worker is None
     assert eng.core.snapshot()["num_free_blocks"] == free0
+
+
+def test_a_step_failing_on_the_engine_thread_reaches_the_caller(tmp_path):
+    """Async scheduling with a runner that launches ahead runs its steps on the engine's own
+    thread: a launch error (the fourth step's) is raised by LLM.generate with its message, no
+    step runs after it, and no worker thread was started."""
+    pytest.importorskip("torch")
+    from kiln import LLM
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path, "llama_gqa_untied")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(2, 20, size=6)]
+    llm = LLM(tmp_path, async_scheduling=True, skip_tokenizer_init=True, max_num_batched_tokens=16,
+              kv_cache_tokens=1024, max_num_seqs=4)
+    _on_host_device(llm)
+    ex, calls = llm.engine.core.runner.executor, []
+    launch = ex.launch_and_sample
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return launch(*args, **kw)
+
+    ex.launch_and_sample = failing
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(calls) == 4, "steps ran on after the failure"
+    assert llm.engine.core._worker is None
