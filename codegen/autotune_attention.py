@@ -27,7 +27,8 @@ from kiln.codegen.autotune import BF16, REPS, Bench, Timed, Trial, record
 from kiln.codegen.buckets import Bucket, pick_bucket
 from kiln.codegen.lower import split_kv
 from kiln.codegen.triton import paged_attention_launch as k_attn
-from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, AttentionConfig
+from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, AttentionConfig,
+                                         attention_cache_key)
 from kiln.codegen.triton.launch import Buf, cdiv
 from kiln.graph import Graph, to_numpy
 from kiln.schedules import Schedules
@@ -208,7 +209,8 @@ class AttentionTuner:
         return sched
 
     def _tune(self, sh: AttentionShape, decode: list[AttentionCase], prefill: AttentionCase) -> dict:
-        default = DEFAULT.attention(sh.h, sh.hkv, sh.d, sh.max_model_len)
+        default = DEFAULT.attention(sh.h, sh.hkv, sh.d, sh.max_model_len, sh.cache_dtype)
+        cache = attention_cache_key(sh.cache_dtype)
         rigs: dict[AttentionCase, AttentionRig] = {}
 
         def timed(cfg: AttentionConfig, cases: list[AttentionCase]) -> list[Timed]:
@@ -219,15 +221,16 @@ class AttentionTuner:
         trials = []
         for phase, cases, cands in (("decode", decode, decode_candidates(sh, default)),
                                     ("prefill", [prefill], prefill_candidates(sh, default))):
-            trials += [Trial((sh.h, sh.hkv, sh.d, phase), c, lambda c=c, cases=cases: timed(c, cases),
+            trials += [Trial((sh.h, sh.hkv, sh.d, cache, phase), c, lambda c=c, cases=cases: timed(c, cases),
                              baseline=i == 0) for i, c in enumerate(cands)]
-        self.progress(f"paged_attention [{sh.h}, {sh.hkv}, {sh.d}]: {len(trials)} schedules over "
+        self.progress(f"paged_attention [{sh.h}, {sh.hkv}, {sh.d}]{f' ({cache} cache)' if cache else ''}: "
+                      f"{len(trials)} schedules over "
                       f"{', '.join(c.name for c in decode + [prefill])} (tile {default.tile}, seg {default.seg})")
         won = self.bench.best(trials)
-        entry = {"h": sh.h, "hkv": sh.hkv, "d": sh.d}
+        entry = {"h": sh.h, "hkv": sh.hkv, "d": sh.d, **({"cache": cache} if cache else {})}
         for phase, knobs, timing in (("decode", ATTENTION_DECODE_KNOBS, "us"),
                                      ("prefill", ATTENTION_PREFILL_KNOBS, "prefill_us")):
-            w = won[(sh.h, sh.hkv, sh.d, phase)]
+            w = won[(sh.h, sh.hkv, sh.d, cache, phase)]
             entry.update({k: getattr(w.cand, k) for k in knobs})
             entry[timing] = round(w.us, 2)
             was = f" (default {w.baseline_us:.1f} us)" if w.baseline_us is not None else ""

@@ -291,7 +291,7 @@ class _Lowerer:
         split = split_kv(self.bucket)
         ws = counter = None
         if split:
-            cfg = self.configs.attention(h, hkv, d, self.max_model_len)
+            cfg = self.configs.attention(h, hkv, d, self.max_model_len, to_numpy(self.g.tensors[cache].dtype).name)
             segs = -(-self.max_model_len // cfg.seg)
             ws = (self.workspace("attn_ws_acc", (t, segs, h, d)), self.workspace("attn_ws_ml", (t, segs, h, 2)))
         if k_attn.merges_in_kernel(split, self.bucket.decode, self.fuse_merge):

@@ -42,10 +42,10 @@ class ScheduleError(ValueError):
     """A schedules file that cannot be used as it stands (bad YAML, unknown fields)."""
 # the fields of an entry that form its key (the rest is the config, plus the timings);
 # ops not named here (row and elementwise kernels) are keyed by their row width
-KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d")}
+KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d", "cache")}
 ROW_KEY = ("width",)
 TIMINGS = {"us", "prefill_us"}
-NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "width"} | TIMINGS
+NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "cache", "width"} | TIMINGS
 # op -> the file (family) its entries are written to; other ops: "rows"
 FAMILY = {"gemm_reduction": "gemm", "gemm_tile": "gemm", "paged_attention": "attention"}
 FAMILIES = ("gemm", "attention", "rows")
@@ -101,7 +101,7 @@ class Schedules:
         path.parent.mkdir(parents=True, exist_ok=True)
         doc: dict[str, Any] = {"compiler": self.compiler}
         for op in sorted(op for op in self.entries if family(op) == name):
-            doc[op] = sorted(self.entries[op], key=lambda e: tuple(e.get(k, 0) for k in _ORDER))
+            doc[op] = sorted(self.entries[op], key=_file_order)
         header = "# written by `build.py tune` (codegen/autotune.py); timed on the GPU under CUDA graphs\n"
         path.write_text(header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=140))
         return path
@@ -143,13 +143,18 @@ class Schedules:
                 return None
             up = [e for e in hit if e["m"] >= m]
             return _config(up[0] if up else hit[-1])
-        # paged_attention: (h, hkv, d, max_model_len) -> its (h, hkv, d) entry; rows: (width,)
+        # paged_attention: (h, hkv, d, cache, max_model_len) -> its (h, hkv, d, cache) entry (cache:
+        # None for a cache in the model's dtype, which the entries without the field serve); rows: (width,)
         fields = KEYS.get(op, ROW_KEY)
         hit = [e for e in items if tuple(e.get(f) for f in fields) == tuple(key[:len(fields)])]
         return _config(hit[0]) if hit else None
 
 
-_ORDER = ("h", "hkv", "d", "width", "n", "k", "m")  # how a file lists an op's entries
+_ORDER = ("h", "hkv", "d", "width", "n", "k", "m")  # how a file lists an op's entries (then by cache)
+
+
+def _file_order(e: Mapping) -> tuple:
+    return tuple(e.get(k, 0) for k in _ORDER) + (e.get("cache", ""),)
 
 
 def _config(e: Mapping) -> dict:

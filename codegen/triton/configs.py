@@ -153,7 +153,14 @@ class Configs:
         acc_regs = tile.block_m * tile.block_n // (32 * tile.num_warps)  # one f32 [BM, BN] tile, per thread
         return tiles >= 2 * SMS.get(arch, SMS["sm_90"]) and acc_regs <= 64
 
-    def attention(self, h: int, hkv: int, d: int, max_model_len: int | None = None) -> AttentionConfig:
+    def attention(self, h: int, hkv: int, d: int, max_model_len: int | None = None,
+                  cache_dtype: str | None = None) -> AttentionConfig:
+        """cache_dtype: the KV cache's numpy name. An e4m3 cache (--kv-cache-dtype fp8) has schedules
+        of its own (`cache: float8_e4m3fn` in the YAML): its decode is compute-bound where a bf16
+        cache's reads at the copy bandwidth, and the knobs differ (H200, bench/attn_sweep.py, 512
+        sequences at 1,500 keys: e4m3 555 us with 2 stages, 601 with 4; bf16 tunes to 4). Without
+        such an entry it takes the defaults, never the bf16 cache's. A cache in the model's own
+        dtype (bfloat16, float16) uses the entries without `cache`."""
         default = AttentionConfig()
         if max_model_len is not None:
             # SEG sets how many programs a short decode gets (one per segment and KV head): at
@@ -162,13 +169,19 @@ class Configs:
             # at most 64 segments; fixed per bundle, so every bucket reduces the same way.
             seg = 1 << max(0, (-(-max_model_len // 64) - 1).bit_length())
             default = replace(default, seg=min(max(seg, default.tile), 512))
-        return self._get("paged_attention", (h, hkv, d, max_model_len), default)
+        return self._get("paged_attention", (h, hkv, d, attention_cache_key(cache_dtype), max_model_len), default)
 
     def row(self, op: str, width: int) -> RowConfig:
         return self._get(op, (width,), RowConfig(num_warps=4 if width <= 4096 else 8))
 
     def elementwise(self, op: str, width: int) -> ElementwiseConfig:
         return self._get(op, (width,), ElementwiseConfig())
+
+
+def attention_cache_key(cache_dtype: str | None) -> str | None:
+    """The `cache` field of a paged_attention schedule: None (no field) for a cache in a model
+    dtype, else the cache's numpy name (float8_e4m3fn)."""
+    return None if cache_dtype in (None, "bfloat16", "float16", "float32") else cache_dtype
 
 
 DEFAULT = Configs()

@@ -119,7 +119,7 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     check(shape_of(out) == (t, h, d), "paged_attention: bad out")
     check_inner_contiguous(out, "paged_attention out", 2)
     max_model_len = max_model_len or mb * bs
-    config = config or configs.attention(h, hkv, d, max_model_len)
+    config = config or configs.attention(h, hkv, d, max_model_len, dtype_name(cache))
     specs = paged_attention_specs(t, h, hkv, d, bs, s, split=split, max_model_len=max_model_len,
                                   dtype=dtype_name(q), out_dtype=dtype_name(out), config=config, decode=decode,
                                   cache_dtype=dtype_name(cache), fuse_merge=fuse_merge)

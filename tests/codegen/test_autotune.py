@@ -238,7 +238,7 @@ def test_an_attention_schedule_that_changes_the_bits_is_reported_not_chosen():
     sched = AttentionTuner(bench).tune(attention_shapes(graph, 16, 512), decode, prefill)
     (entry,) = sched.entries["paged_attention"]
     assert entry["num_warps"] == 2 and entry["prefill_num_warps"] == 8  # the fastest with the default's bits
-    assert bench.mismatches and {(g[3], c.num_warps) for g, c in bench.mismatches} == {("decode", 4)}
+    assert bench.mismatches and {(g[-1], c.num_warps) for g, c in bench.mismatches} == {("decode", 4)}
 
 
 @pytest.mark.parametrize("kv", [None, DType.fp8e4m3])
@@ -453,3 +453,10 @@ def test_tune_times_attention_and_the_preamble_over_the_cache_dtype_asked_for(tm
     caches = {s.kernel: s.signature["cache_ptr"] for t in benches[0].timed for s in specs_of(t)
               if "cache_ptr" in s.signature}
     assert caches == {"paged_attention_kernel": "*fp8e4nv", "attention_preamble_kernel": "*fp8e4nv"}
+    # the e4m3 cache's entry is its own (configs.Configs.attention): it says so, and bf16 lookups skip it
+    sched = Schedules.read("sm_90", tmp_path / "schedules")
+    (entry,) = sched.entries["paged_attention"]
+    assert entry["cache"] == "float8_e4m3fn"
+    h, hkv, d = BASE["num_attention_heads"], BASE["num_key_value_heads"], entry["d"]
+    assert sched.lookup("paged_attention", (h, hkv, d, "float8_e4m3fn", 512)) is not None
+    assert sched.lookup("paged_attention", (h, hkv, d, None, 512)) is None

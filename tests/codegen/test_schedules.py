@@ -201,9 +201,10 @@ def test_each_family_has_its_file_and_all_of_them_are_read(tmp_path):
     assert back.entries == s.entries and back.digest() == s.digest()
     # an attention entry serves its head shape at any max_model_len, and holds schedule knobs only
     want = {k: v for k, v in ATTN.items() if k not in ("h", "hkv", "d", "us", "prefill_us")}
-    assert back.lookup("paged_attention", (32, 8, 128, 4096)) == want
-    assert back.lookup("paged_attention", (32, 8, 128, 131072)) == want
-    assert back.lookup("paged_attention", (32, 4, 128, 4096)) is None
+    assert back.lookup("paged_attention", (32, 8, 128, None, 4096)) == want
+    assert back.lookup("paged_attention", (32, 8, 128, None, 131072)) == want
+    assert back.lookup("paged_attention", (32, 4, 128, None, 4096)) is None
+    assert back.lookup("paged_attention", (32, 8, 128, "float8_e4m3fn", 4096)) is None  # an e4m3 cache's own
     assert back.lookup("rms_norm", (4096,)) == {"num_warps": 16}
     assert back.lookup("rms_norm", (2048,)) is None
     assert back.lookup("silu_mul", (14336,)) == {"block": 2048, "num_warps": 8}
@@ -230,6 +231,31 @@ def test_a_retuned_family_changes_the_digest_and_leaves_the_others_alone(tmp_pat
     assert again.digest() != s.digest()
 
 
+def test_an_e4m3_cache_has_attention_schedules_of_its_own(tmp_path):
+    """A `cache: float8_e4m3fn` entry serves attention over an e4m3 KV cache only; bf16 (and f16)
+    caches keep the entry without the field, and an e4m3 cache without its own entry takes the
+    defaults (listed as a fallback), not the bf16 cache's knobs. Both survive a write and read."""
+    fp8 = {**ATTN, "cache": "float8_e4m3fn", "block_q": 4, "num_warps": 2, "num_stages": 2, "us": 555.4}
+    s = Schedules("sm_90", {"paged_attention": [dict(fp8), dict(ATTN)]})
+    s.write("attention", tmp_path)
+    back = Schedules.read("sm_90", tmp_path)
+    assert [e.get("cache") for e in back.entries["paged_attention"]] == [None, "float8_e4m3fn"]  # file order
+    configs = Configs(lookup=back.lookup)
+    bf16, f16 = configs.attention(32, 8, 128, 4096, "bfloat16"), configs.attention(32, 8, 128, 4096, "float16")
+    e4m3 = configs.attention(32, 8, 128, 4096, "float8_e4m3fn")
+    assert (bf16.block_q, bf16.num_warps, bf16.num_stages) == (8, 4, 3) and f16 == bf16
+    assert configs.attention(32, 8, 128, 4096) == bf16
+    assert (e4m3.block_q, e4m3.num_warps, e4m3.num_stages) == (4, 2, 2)
+    assert (e4m3.tile, e4m3.seg) == (bf16.tile, bf16.seg)  # the reduction knobs never depend on it
+    # re-tuning one cache's entry leaves the other's
+    back.merge(Schedules("sm_90", {"paged_attention": [{**fp8, "num_stages": 3}]}))
+    assert len(back.entries["paged_attention"]) == 2
+    assert Configs(lookup=back.lookup).attention(32, 8, 128, 4096, "float8_e4m3fn").num_stages == 3
+    only_bf16 = Configs(lookup=Schedules("sm_90", {"paged_attention": [dict(ATTN)]}).lookup)
+    assert only_bf16.attention(32, 8, 128, 4096, "float8_e4m3fn") == DEFAULT.attention(32, 8, 128, 4096)
+    assert only_bf16.fallbacks == [("paged_attention", (32, 8, 128, "float8_e4m3fn", 4096))]
+
+
 def test_configs_take_tuned_attention_and_row_entries_and_list_the_rest(caplog):
     configs = Configs(lookup=_families().lookup)
     with caplog.at_level(logging.INFO, logger="kiln.codegen.triton.configs"):
@@ -244,7 +270,7 @@ def test_configs_take_tuned_attention_and_row_entries_and_list_the_rest(caplog):
         assert configs.attention(16, 8, 128, 4096) == DEFAULT.attention(16, 8, 128, 4096)
         assert configs.row("attention_preamble", 4096) == DEFAULT.row("attention_preamble", 4096)
         assert configs.elementwise("gather_rows", 4096) == ElementwiseConfig()
-    assert configs.fallbacks == [("paged_attention", (16, 8, 128, 4096)), ("attention_preamble", (4096,)),
+    assert configs.fallbacks == [("paged_attention", (16, 8, 128, None, 4096)), ("attention_preamble", (4096,)),
                                  ("gather_rows", (4096,))]
     assert "no tuned schedule for gather_rows (4096,)" in caplog.text
     assert "no tuned schedule for rms_norm" not in caplog.text
