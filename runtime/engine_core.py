@@ -40,6 +40,7 @@ The worker serves runners whose execute_model computes (the numpy executor).
 from __future__ import annotations
 
 import collections
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable
 
@@ -64,13 +65,27 @@ class EngineCore:
         self._side_futures: list[Future] = []
         self._worker: ThreadPoolExecutor | None = None
         self._inline: bool | None = None  # run execute_model on this thread (decided at the first step)
+        # The thread that last drove the runner here. A driver context is current per thread: the one
+        # that loaded the model has it; another that steps (AsyncLLM's engine thread) binds it first.
+        self._driver = threading.get_ident()
         if self.async_scheduling:
             runner.defer_outputs = True
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def _bind_caller(self) -> None:
+        """Make the executor's device context current on a thread that drives the runner here for
+        the first time (synchronous steps, and async steps of a runner that only queues work)."""
+        tid = threading.get_ident()
+        if tid != self._driver:
+            self._driver = tid
+            bind = getattr(self.runner.executor, "bind_thread", None)
+            if bind is not None:
+                bind()
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        self._bind_caller()
         aborted = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         if self._batch_queue and not self.scheduler.has_unfinished_requests():
             self._drain()
@@ -81,6 +96,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One engine step; -> per-request news in scheduling order."""
+        self._bind_caller()
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
@@ -190,6 +206,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Wait for the steps in flight and stop the worker thread (async scheduling)."""
+        self._bind_caller()
         self._drain()
         if self._worker is not None:
             self._worker.shutdown(wait=True)

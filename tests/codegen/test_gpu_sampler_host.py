@@ -317,3 +317,42 @@ def test_a_step_failing_on_the_engine_thread_reaches_the_caller(tmp_path):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(calls) == 4, "steps ran on after the failure"
     assert llm.engine.core._worker is None
+
+
+def test_a_thread_that_steps_the_engine_binds_the_device_context_first(tmp_path):
+    """A driver context is current per thread. AsyncLLM loads the model on one thread and steps on
+    its engine thread; with async scheduling's steps on that thread (no worker) or synchronous
+    ones, the engine core makes the executor's context current there before the runner's first
+    launch (CudaExecutor.bind_thread), and again when another thread takes over."""
+    import threading
+
+    pytest.importorskip("torch")
+    from kiln import LLM
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path, "llama_gqa_untied")
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for flag in (True, False):
+        llm = LLM(tmp_path, async_scheduling=flag, skip_tokenizer_init=True, max_num_batched_tokens=16,
+                  kv_cache_tokens=1024, max_num_seqs=4)
+        _on_host_device(llm)
+        ex, bound = llm.engine.core.runner.executor, []
+        launch = ex.launch_and_sample
+
+        def checked(*args, **kw):  # every launch from a thread that bound the context
+            assert bound and bound[-1] == threading.get_ident(), "launched before binding this thread"
+            return launch(*args, **kw)
+
+        ex.bind_thread = lambda: bound.append(threading.get_ident())
+        ex.launch_and_sample = checked
+        ex.execute_and_sample = lambda inputs, sampler, rows, md, seeds=(), prompt=(): sampler.collect(
+            checked(inputs, sampler, rows, md, seeds, prompt))
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("out", llm.generate(prompts, sp)))
+        t.start()
+        t.join()
+        assert len(got["out"]) == 2 and bound == [t.ident]
+        llm.generate(prompts, sp)  # back on the loading thread: bound again there
+        assert bound == [t.ident, threading.get_ident()]
+        assert llm.engine.core._worker is None
