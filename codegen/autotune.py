@@ -26,7 +26,7 @@ import ctypes
 import math
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
@@ -349,8 +349,7 @@ class _GemmRig:
         x = Buf(ptr=self.x.ptr, shape=(m, p.k), dtype=BF16)
         g = p.silu_group
         y = Buf(ptr=self.y, shape=(m, p.n // 2 if g else p.n), dtype=self.out_dtype)
-        if g and tile.block_n % (2 * g):  # as codegen/lower.py op_linear_silu_mul widens it
-            tile = replace(tile, block_n=-(-tile.block_n // (2 * g)) * 2 * g)
+        tile = k_gemm.silu_tile(tile, g)  # as the bundle's lowering widens it
         ws = Buf(ptr=self.ws, shape=(red.split_k, m, p.n), dtype=np.float32) if red.split_k > 1 else None
         return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
                              workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g)

@@ -189,22 +189,27 @@ class _Lowerer:
         k_gather.gather_rows(self.buf(x), self.buf(idx), self.buf(node.outputs[0]),
                              n_rows=self.n_rows(node.outputs[0]), configs=self.configs)
 
+    def _gemm_schedule(self, m: int, n: int, k: int, silu_group: int = 0):
+        """-> (reduction, tile, fold) of an [m, k] x [n, k]^T GEMM in this bucket: the weight's one
+        reduction (or, in the variant that ignores invariance, to measure its cost, no split-K
+        where M is large, so a token's sums depend on whether it ran in a decode or a prefill
+        bucket), the bucket's tile (widened for the SwiGLU epilogue), and whether split-K folds."""
+        red = self.configs.gemm_reduction(n, k)
+        if not self.batch_invariant and not self.bucket.decode and red.split_k > 1:
+            red = dataclasses.replace(red, split_k=1)
+        tile = k_gemm.silu_tile(self.configs.gemm_tile(m, n, k, self.arch), silu_group)
+        return red, tile, self.configs.gemm_fold(m, n, k, tile, red, self.arch)
+
     def op_linear(self, node) -> None:
         x, w = node.inputs[0], node.inputs[1]
         bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
         out = self.buf(node.outputs[0])
         n, k = self.g.tensors[w].shape
-        red = self.configs.gemm_reduction(n, k)
-        if not self.batch_invariant and not self.bucket.decode and red.split_k > 1:
-            # the variant that ignores invariance (to measure its cost): no split-K where M is large,
-            # so a token's sums depend on whether it ran in a decode or a prefill bucket
-            red = dataclasses.replace(red, split_k=1)
         m = out.shape[0]
-        tile = self.configs.gemm_tile(m, n, k, self.arch)
+        red, tile, fold = self._gemm_schedule(m, n, k)
         # folded split-K leaves no partials: its output is the reduced one, which the next norm
         # reads as it would read gemm_reduce_kernel's (the same bits as the fused norm's sum,
         # tests/codegen/test_lowering.py)
-        fold = self.configs.gemm_fold(m, n, k, tile, red, self.arch)
         fuse = red.split_k > 1 and not fold and bias is None and self._reduced_by_norm(node.outputs[0])
         ws = None
         if red.split_k > 1 and not fold:
@@ -227,14 +232,8 @@ class _Lowerer:
             raise LoweringError(f"{node.name}: weight {w} is not interleaved in groups of {g} rows")
         out = self.buf(node.outputs[0])
         n, k = self.g.tensors[w].shape
-        red = self.configs.gemm_reduction(n, k)
-        if not self.batch_invariant and not self.bucket.decode and red.split_k > 1:
-            red = dataclasses.replace(red, split_k=1)  # as op_linear's variant that ignores invariance
         m = out.shape[0]
-        tile = self.configs.gemm_tile(m, n, k, self.arch)
-        if tile.block_n % (2 * g):  # a schedule knob: every tile must hold whole gate/up group pairs
-            tile = dataclasses.replace(tile, block_n=-(-tile.block_n // (2 * g)) * 2 * g)
-        fold = self.configs.gemm_fold(m, n, k, tile, red, self.arch)
+        red, tile, fold = self._gemm_schedule(m, n, k, silu_group=g)
         ws = self.workspace("gemm_ws", (red.split_k, m, n)) if red.split_k > 1 and not fold else None
         k_gemm.gemm(self.buf(x), self.buf(w), None, out, n_rows=self.n_rows(node.outputs[0]), workspace=ws,
                     tile=tile, red=red, configs=self.configs, arch=self.arch, silu_group=g)

@@ -198,6 +198,15 @@ def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
     _store_tile(acc, bias_ptr, y_ptr, rm, pid_n * BLOCK_N, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N, SILU_GROUP)
 
 
+def silu_tile(tile: GemmTile, group: int) -> GemmTile:
+    """The tile with BLOCK_N widened to a multiple of 2G, so that every program holds whole
+    gate/up group pairs for the SwiGLU epilogue (a schedule knob: the sums do not change).
+    group 0: the tile as it is."""
+    if group and tile.block_n % (2 * group):
+        return replace(tile, block_n=-(-tile.block_n // (2 * group)) * 2 * group)
+    return tile
+
+
 def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat16", has_bias=False,
                stride_xm: int | None = None, stride_ym: int | None = None,
                tile: GemmTile, red: GemmReduction, silu_group: int = 0) -> list[KernelSpec]:
