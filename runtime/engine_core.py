@@ -157,7 +157,7 @@ class EngineCore:
             return []
         so, fut = q.popleft()
         runner_out = fut.result()
-        if not isinstance(runner_out, ModelRunnerOutput):  # a PendingOutput: read back on the worker
+        if not isinstance(runner_out, ModelRunnerOutput):  # a PendingOutput: read back by the runner
             runner_out = self._collect(runner_out, q[0][1] if q else None)
         if self._side_futures:
             self._check_side_futures()
@@ -168,7 +168,8 @@ class EngineCore:
 
     def _collect(self, pending, next_fut: Future | None) -> ModelRunnerOutput:
         """The output of a step the runner returned before it ran: the next step, once queued,
-        reads it back (ModelRunner._execute_sampling_on_device); without one, ask the worker."""
+        reads it back (ModelRunner._execute_sampling_on_device); without one, the runner's thread
+        reads it back (ModelRunner.collect)."""
         if next_fut is not None:
             wait([pending.future, next_fut], return_when=FIRST_COMPLETED)
             if not pending.future.done():

@@ -321,7 +321,7 @@ class ModelRunner:
             else:
                 feed = self._feed(plan, self._in_flight[-1])
         inputs, seeds = self._step_inputs(plan), [s.params.seed for s in states]
-        if not (self.defer_outputs and self.gpu_sampler.can_feed):
+        if not self.launches_ahead:
             out, prompt = self.executor.execute_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
                                                            prompt=list(jobs.values()))
             prompt_lps.update(zip(jobs, prompt))
