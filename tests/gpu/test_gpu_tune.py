@@ -65,7 +65,10 @@ def test_tune_writes_attention_and_row_winners(tuned):
     assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "rows.yaml"]
     (entry,) = sched.entries["paged_attention"]
     assert set(entry) == {"h", "hkv", "d", "us", "prefill_us", *ATTENTION_DECODE_KNOBS, *ATTENTION_PREFILL_KNOBS}
-    assert {op for op in sched.entries if op != "paged_attention"} == set(ROW_OPS)
+    # every row op the plans launch: the SwiGLU epilogue (passes/fuse_gate_up_silu.py) leaves this
+    # Llama no silu_mul launch, so nothing of it to tune
+    assert "silu_mul" not in {n.op for n in _graph().nodes.values()}
+    assert {op for op in sched.entries if op != "paged_attention"} == set(ROW_OPS) - {"silu_mul"}
     assert all(e["us"] > 0 for items in sched.entries.values() for e in items)
 
 
