@@ -29,7 +29,7 @@ from kiln.codegen.lower import split_kv
 from kiln.codegen.triton import paged_attention_launch as k_attn
 from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, AttentionConfig,
                                          attention_cache_key)
-from kiln.codegen.triton.launch import Buf, cdiv
+from kiln.codegen.triton.launch import Buf, cdiv, next_pow2
 from kiln.graph import Graph, to_numpy
 from kiln.schedules import Schedules
 
@@ -180,9 +180,21 @@ def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[A
 
 
 def prefill_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
+    """The default first, then query positions per program x warps x stages. Over an e4m3 cache,
+    only programs on the default's side of 64 rows: its f16 dots round differently on mma.sync
+    (< 64 rows) and wgmma (the known gap, the strict xfail in test_triton_gpu.py; H200: the
+    32-row candidates changed the bits), so the others would fail the tuner's bits check."""
     grid = [replace(default, prefill_block_q=bq, prefill_num_warps=w, prefill_num_stages=s)
             for bq in (8, 16, 32) for w in (4, 8) for s in (2, 3)]
+    if shape.cache_dtype == "float8_e4m3fn":
+        wgmma = lambda c: _rows(shape, c) >= 64  # noqa: E731
+        grid = [c for c in grid if wgmma(c) == wgmma(default)]
     return _distinct(shape, [default] + grid, decode=False)
+
+
+def _rows(shape: AttentionShape, c: AttentionConfig) -> int:
+    """A prefill program's rows: its query positions x the padded GQA group."""
+    return k_attn.attention_block_q(shape.h, shape.hkv, c, decode=False) * next_pow2(shape.h // shape.hkv)
 
 
 def _distinct(shape: AttentionShape, cands: list[AttentionConfig], decode: bool) -> list[AttentionConfig]:

@@ -184,6 +184,21 @@ def test_attention_candidates_touch_only_schedule_knobs(h, hkv, d, max_model_len
         assert len(effective) == len(cands)  # no schedule timed twice
 
 
+def test_e4m3_prefill_candidates_keep_the_defaults_instruction():
+    """Over an e4m3 cache, 32-row prefill programs (mma.sync) give other bits than the default's
+    64 (wgmma): the H200 tuner refused them as a kernel bug. The sweep leaves them out there, and
+    only there."""
+    rows = lambda sh, c: attention_block_q(sh.h, sh.hkv, c, False) * 4  # noqa: E731 (GQA group of 4)
+    bf16 = AttentionShape(32, 8, 128, 16, 4096)
+    e4m3 = dataclasses.replace(bf16, cache_dtype="float8_e4m3fn")
+    default = DEFAULT.attention(32, 8, 128, 4096, "float8_e4m3fn")
+    assert rows(e4m3, default) == 64
+    assert min(rows(bf16, c) for c in prefill_candidates(bf16, default)) == 32
+    kept = prefill_candidates(e4m3, default)
+    assert kept[0] == default and len(kept) > 4 and min(rows(e4m3, c) for c in kept) == 64
+    assert max(rows(e4m3, c) for c in kept) == 128
+
+
 def test_attention_cases_follow_the_bundle():
     decode, prefill = attention_cases(make_buckets(256, 2048), 131072)
     assert [(c.name, c.tokens, c.seqs, c.split) for c in decode] == [("decode256@1500", 256, 256, False),
