@@ -16,9 +16,10 @@ real step (a layer's weight is never in L2 when its GEMM starts). The winners be
 schedules/<arch>/gemm.yaml entries.
 
 Invariance (DESIGN.md): the reduction knobs (BLOCK_K, SPLIT_K) are chosen once per
-weight, at the smallest M (the batch-1 decode step, where the GEMM is a pure
-weight stream and they matter most), and every other M only varies the tile
-(BLOCK_M/BLOCK_N, warps, stages), which never changes an element's sums.
+weight (stage 1: each reduction's best tile at the weight's smallest M, the batch-1 decode
+step's pure weight stream, and at its largest, a prefill; the objective weighs the two), and
+every M then only varies the tile (BLOCK_M/BLOCK_N, warps, stages; stage 2), which never
+changes an element's sums.
 """
 from __future__ import annotations
 
@@ -316,10 +317,12 @@ PREFILL_TILES = [GemmTile(128, bn, 8, s) for bn in (128, 256) for s in (3, 4)]
 OBJECTIVES = ("balanced", "decode", "prefill")
 
 
-def tiles(m: int, *, wide: bool) -> list[GemmTile]:
-    if m <= 16:  # a weight stream: narrow N, deep pipelines
-        ns, warps, stages = (16, 32, 64), ((4,) if not wide else (2, 4, 8)), ((4,) if not wide else (3, 4, 5, 6))
-        return [GemmTile(16, bn, w, s) for bn in ns for w in warps for s in stages]
+def tiles(m: int) -> list[GemmTile]:
+    """The tile candidates at M rows (stage 1 ranks the reductions on them at a weight's smallest M,
+    stage 2 picks per M). M <= 16, a weight stream: narrow N, deep pipelines; BLOCK_K 64 keeps half
+    of BLOCK_K 128's bytes in flight per stage, so it needs the deeper ones to stream as fast."""
+    if m <= 16:
+        return [GemmTile(16, bn, w, s) for bn in (16, 32, 64) for w in (2, 4, 8) for s in (3, 4, 5, 6, 8)]
     if m <= 64:
         return [GemmTile(bm, bn, 4, s) for bm in (32, 64) for bn in (32, 64, 128) for s in (3, 4)]
     return [GemmTile(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for s in (2, 3, 4)
@@ -382,7 +385,7 @@ class GemmTuner:
                 for p in problems}
         trials = [Trial((p.n, p.k, m, r), t, lambda p=p, m=m, t=t, r=r: [rig(p).timed(m, t, r)])
                   for p in problems for r in reductions(p.k) for m in ends[(p.n, p.k)]
-                  for t in (tiles(m, wide=False) if m == p.ms[0] else PREFILL_TILES)]
+                  for t in (tiles(m) if m == p.ms[0] else PREFILL_TILES)]
         self.progress(f"stage 1: {len(trials)} reduction x tile candidates at the smallest "
                       f"{'' if objective == 'decode' else 'and largest '}M of {len(problems)} weights "
                       f"(objective: {objective})")
@@ -413,7 +416,7 @@ class GemmTuner:
                               + ", ".join(f"M={m} {us[m][c]:.1f} us" for m in at))
         # 2. per weight and M: the tile, under the chosen reduction
         trials = [Trial((p.n, p.k, m), t, lambda p=p, m=m, t=t: [rig(p).timed(m, t, reds[(p.n, p.k)])])
-                  for p in problems for m in p.ms for t in tiles(m, wide=True)]
+                  for p in problems for m in p.ms for t in tiles(m)]
         self.progress(f"stage 2: {len(trials)} tile candidates over {sum(len(p.ms) for p in problems)} "
                       f"(weight, M) pairs")
         for (n, k, m), w in sorted(self.bench.best(trials).items()):

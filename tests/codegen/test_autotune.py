@@ -110,8 +110,8 @@ def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
     assert {(e["n"], e["k"], e["m"]) for e in sched.entries["gemm_tile"]} == {(p.n, p.k, m) for p in problems
                                                                             for m in p.ms}
     assert {e["block_n"] for e in sched.entries["gemm_tile"]} == {64}
-    stage1 = sum(len(reductions(p.k)) * len(tiles(p.ms[0], wide=False)) for p in problems)
-    assert len(bench.timed) == stage1 + sum(len(tiles(m, wide=True)) for p in problems for m in p.ms)
+    stage1 = sum(len(reductions(p.k)) * len(tiles(p.ms[0])) for p in problems)
+    assert len(bench.timed) == stage1 + sum(len(tiles(m)) for p in problems for m in p.ms)
     for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose
         c = specs_of(t)[0].constexprs
         assert (c["BLOCK_K"], c["SPLIT_K"]) == (64, 2)
@@ -143,9 +143,9 @@ def test_gemm_reduction_follows_the_objective(objective, split):
     assert entry.get("prefill_us") == (None if objective == "decode" else prefill_us[split])
     # stage 1 timed the largest M (on the prefill tiles) only when the objective needs it;
     # every stage-2 timing then reduces as stage 1 chose
-    stage1 = len(reductions(8192)) * (len(tiles(1, wide=False)) + (objective != "decode") * len(PREFILL_TILES))
+    stage1 = len(reductions(8192)) * (len(tiles(1)) + (objective != "decode") * len(PREFILL_TILES))
     assert all(specs_of(t)[0].constexprs["SPLIT_K"] == split for t in bench.timed[stage1:])
-    assert len(bench.timed) == stage1 + sum(len(tiles(m, wide=True)) for m in problems[0].ms)
+    assert len(bench.timed) == stage1 + sum(len(tiles(m)) for m in problems[0].ms)
 
 
 def test_the_gemm_rig_times_the_kernels_a_bundle_runs():

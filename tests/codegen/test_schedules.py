@@ -122,7 +122,7 @@ def test_tuner_candidates_keep_the_reduction_per_weight():
             assert k % r.block_k == 0
     # every M class has candidates, and decode tiles are one row block
     for m in TUNED_MS:
-        cands = tiles(m, wide=True)
+        cands = tiles(m)
         assert cands and all(isinstance(t, GemmTile) for t in cands)
         if m <= 16:
             assert {t.block_m for t in cands} == {16}
