@@ -69,8 +69,14 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     """sha256(parent hash || token ids as int64 LE || extra keys).
 
     `parent_block_hash` None means the first block (NONE_HASH is used)."""
+    return _hash_block_bytes(parent_block_hash, struct.pack(f"<{len(token_ids)}q", *token_ids), extra_keys)
+
+
+def _hash_block_bytes(parent_block_hash: BlockHash | None, token_bytes: bytes | memoryview,
+                      extra_keys: tuple[Any, ...] | None) -> BlockHash:
+    """hash_block_tokens on the token ids already packed as int64 LE."""
     h = hashlib.sha256(parent_block_hash if parent_block_hash is not None else NONE_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(token_bytes)
     if extra_keys:
         h.update(_encode_extra_key(tuple(extra_keys)))
     return BlockHash(h.digest())
@@ -92,11 +98,13 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
         tokens = request.all_token_ids
         salt = getattr(request, "cache_salt", None)
         new_hashes: list[BlockHash] = []
-        while start + block_size <= num_tokens:
-            extra = (salt,) if (start == 0 and salt) else None
-            prev = hash_block_tokens(prev, tokens[start:start + block_size], extra)
+        n = (num_tokens - start) // block_size * block_size
+        # every new full block's ids packed in one call (a 2,048-token prompt: one pack, not 128)
+        packed = memoryview(struct.pack(f"<{n}q", *tokens[start:start + n]))
+        for off in range(0, 8 * n, 8 * block_size):
+            extra = (salt,) if (start == 0 and off == 0 and salt) else None
+            prev = _hash_block_bytes(prev, packed[off:off + 8 * block_size], extra)
             new_hashes.append(prev)
-            start += block_size
         return new_hashes
 
     request_block_hasher.block_size = block_size  # type: ignore[attr-defined]  # Request skips calls before a block fills

@@ -46,8 +46,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine was loaded without a tokenizer; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        if any(t < 0 or t >= self.vocab_size for t in ids):
+        ids = list(map(int, prompt))
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         return None, ids
 

@@ -78,6 +78,11 @@ def test_request_block_hasher_follows_appended_tokens():
                                 hash_block_tokens(req.block_hashes[0], [5, 6, 7, 8])]
     salted = Request("s", [1, 2, 3, 4], FakeSamplingParams(), block_hasher=hasher, cache_salt="u1")
     assert salted.block_hashes[0] != req.block_hashes[0]
+    # a prompt of several full blocks (packed in one go): the chain hash_block_tokens gives, the
+    # salt in the first block only
+    long = Request("l", list(range(11)), FakeSamplingParams(), block_hasher=hasher, cache_salt="u1")
+    first = hash_block_tokens(None, [0, 1, 2, 3], ("u1",))
+    assert long.block_hashes == [first, hash_block_tokens(first, [4, 5, 6, 7])]
 
 
 def test_pool_reserves_null_block_and_counts_usage():
