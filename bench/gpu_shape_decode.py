@@ -41,15 +41,20 @@ def random_weights(seed: int = 0):
     return load
 
 
+def _events_ms(ex, run, reps: int) -> float:
+    """GPU time of `run()` issued `reps` times back to back, between two events -> ms per run."""
+    start, end = ex.ctx.event(), ex.ctx.event()
+    ex.ctx.record(start)
+    for _ in range(reps):
+        run()
+    ex.ctx.record(end)
+    return ex.ctx.elapsed_ms(start, end) / reps
+
+
 def gpu_only_decode_ms(ex, steps: int = 100) -> float:
     """GPU time of the batch-1 decode bucket alone: its captured graph replayed back to back."""
     graph = ex.graphs["d1x1"]
-    start, end = ex.ctx.event(), ex.ctx.event()
-    ex.ctx.record(start)
-    for _ in range(steps):
-        ex.ctx.replay(graph)
-    ex.ctx.record(end)
-    return ex.ctx.elapsed_ms(start, end) / steps
+    return _events_ms(ex, lambda: ex.ctx.replay(graph), steps)
 
 
 def gpu_only_prefill_ms(ex, tokens: int, reps: int = 5) -> float:
@@ -57,13 +62,8 @@ def gpu_only_prefill_ms(ex, tokens: int, reps: int = 5) -> float:
     back `reps` times on the inputs the last step staged (prefill buckets run uncaptured; at ~50 ms of
     kernels a step the issue time hides behind the GPU), without the host's staging and read-back."""
     p = ex._pick(tokens, 1, 1)
-    start, end = ex.ctx.event(), ex.ctx.event()
     ex._launch_all(p)  # the first run after a decode step: not timed
-    ex.ctx.record(start)
-    for _ in range(reps):
-        ex._launch_all(p)
-    ex.ctx.record(end)
-    return ex.ctx.elapsed_ms(start, end) / reps
+    return _events_ms(ex, lambda: ex._launch_all(p), reps)
 
 
 def _lookup(a):
