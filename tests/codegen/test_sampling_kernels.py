@@ -139,7 +139,7 @@ def test_top_k_top_p_min_p_masks_equal_reference_and_samples_stay_inside():
     t, k, p, mp = (np.array(c) for c in zip(*cases))
     masked = np.empty_like(logits)
     seeds = row_seeds([None] * len(cases), [0] * len(cases), rng)
-    two = ElementwiseConfig(block=64, num_warps=4)  # 2 chunks: ~32 passes per search in the interpreter
+    two = ElementwiseConfig(block=64, num_warps=4)  # 2 chunks a pass: 4 passes for top-k, 8 for top-p
     tok = K.sample(logits, np.arange(len(cases)), t, k, p, mp, seeds, masked=masked, config=two)
     for i, c in enumerate(cases):
         want = _reference_mask(logits[i], *c)
@@ -147,6 +147,29 @@ def test_top_k_top_p_min_p_masks_equal_reference_and_samples_stay_inside():
                                                 f"reference {np.isfinite(want).sum()}"
         assert np.isfinite(want[tok[i]]), f"case {c}: sampled token {tok[i]} was cut"
     assert np.isfinite(masked[6]).sum() == 5 and tok[5] == logits[5].argmax()
+
+
+def test_radix_cuts_equal_reference_on_random_rows():
+    """The radix searches (4 count passes for top-k, 8 mass passes for top-p) over fresh random
+    rows and settings, ties and negative-only rows included: the kept set equals numpy's."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    n = 16
+    logits = _logits(rng, n, scale=rng.uniform(0.3, 6.0))
+    logits[3] = -np.abs(logits[3]) - 50.0  # every key negative: the radix digits of the sign flip
+    logits[4, rng.choice(V, 9, replace=False)] = logits[4].max() + 1.0  # nine tied at the top
+    logits[5] = np.round(logits[5])  # many ties everywhere
+    t = rng.uniform(0.3, 2.0, n)
+    k = rng.integers(1, V + 1, n)
+    p = np.where(rng.random(n) < 0.7, rng.uniform(0.05, 1.0, n), 1.0)
+    mp = np.where(rng.random(n) < 0.3, rng.uniform(0.0, 0.2, n), 0.0)
+    masked = np.empty_like(logits)
+    seeds = row_seeds([None] * n, [0] * n, rng)
+    tok = K.sample(logits, np.arange(n), t, k, p, mp, seeds, masked=masked, config=ElementwiseConfig(block=64, num_warps=4))
+    for i in range(n):
+        want = _reference_mask(logits[i], t[i], k[i], p[i], mp[i])
+        assert np.array_equal(masked[i], want), (seed, i, t[i], k[i], p[i], mp[i])
+        assert np.isfinite(want[tok[i]])
 
 
 def _chi2_critical(df: int, z: float = 3.719) -> float:
