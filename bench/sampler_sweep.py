@@ -1,14 +1,13 @@
 """Time the GPU sampler's sample kernel (codegen/triton/sampling.py) on one GPU, at a vocabulary
 of V tokens, for 1, 8 and 512 rows: greedy, temperature alone, top-k 50, top-p 0.9, both.
 
-    python bench/sampler_sweep.py [--vocab 128256] [--configs 2048x8,8192x32]
-        [--baseline-module kiln.codegen.triton.sampling_old] [--json OUT]
+    python bench/sampler_sweep.py [--vocab 128256] [--baseline MODULE:BLOCKxWARPS ...] [--json OUT]
 
-Each config is BLOCK_VxWARPS. --baseline-module: the same kernel from another module (e.g. the
-previous commit's sampling.py copied next to this one), timed with every config as well, for
-an A/B in one process. Every candidate's tokens must equal the first one's (`same`): the
-sampled tokens do not depend on the launch config. Times: the kernel captured 20 times in one
-CUDA graph (codegen/autotune.py Bench.time_us), per launch.
+"this": the step's phases (runtime/sample_phases.py) as GpuSampler launches them.
+--baseline: a one-launch, one-program-per-row sample_kernel of an earlier kiln (its
+sampling.py copied next to this one under another module name), at that launch config, for an
+A/B in one process. Every candidate's tokens must equal the first one's (`same`). Times: the
+launches captured 20 times in one CUDA graph (codegen/autotune.py Bench.time_us), per step.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from kiln.codegen.autotune import Bench, Timed
 from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.sampling import sampling_spec
 from kiln.runtime.cuda_driver import CudaContext
+from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch
 
 MODES = {"greedy": (0.0, None, 1.0), "k50p0.9": (0.8, 50, 0.9), "k50": (0.8, 50, 1.0), "p0.9": (0.8, None, 0.9),
          "temp": (0.8, None, 1.0)}  # temperature, top_k (None: off), top_p
@@ -30,13 +30,10 @@ MODES = {"greedy": (0.0, None, 1.0), "k50p0.9": (0.8, 50, 0.9), "k50": (0.8, 50,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--configs", default="2048x8,8192x32")
-    ap.add_argument("--baseline-module")
+    ap.add_argument("--baseline", action="append", default=[])
     ap.add_argument("--json")
     a = ap.parse_args()
     v = a.vocab
-    configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
-    modules = ([a.baseline_module] if a.baseline_module else []) + [None]
     b = Bench(CudaContext(), "sm_90", progress=lambda s: None)
     res = {}
     for rows in (1, 8, 512):
@@ -46,24 +43,37 @@ def main() -> None:
         for mode, (tv, kv, pv) in MODES.items():
             if rows == 512 and mode in ("k50", "temp"):
                 continue
-            col = lambda x, dt: b.buffer((rows,), dt, np.full(rows, x))
-            args = [logits, ridx, col(tv, np.float32), col(kv or v, np.int32), col(pv, np.float32),
-                    col(0.0, np.float32), b.buffer((rows,), np.int64, np.arange(rows) + 7)]
+            temp, top_k, top_p = np.full(rows, tv), np.full(rows, kv or v), np.full(rows, pv)
+            col = lambda x, dt: b.buffer((rows,), dt, np.asarray(x, dt))
+            args = [logits, ridx, col(temp, np.float32), col(top_k, np.int32), col(top_p, np.float32),
+                    col(np.zeros(rows), np.float32), b.buffer((rows,), np.int64, np.arange(rows) + 7)]
             out = b.buffer((rows,), np.int32, np.zeros(rows))
+            cands = []
+            for base in a.baseline:
+                mod, cfg = base.split(":")
+                blk, w = (int(x) for x in cfg.split("x"))
+                new = sampling_spec("sample", v, rows)
+                sig = {n: t for n, t in new.signature.items() if n not in ("val_ptr", "idx_ptr", "hist_ptr", "phase")}
+                spec = dataclasses.replace(new, module=mod, grid=(rows,), num_warps=w, signature=sig,
+                                           divisible=tuple(d for d in new.divisible if d in sig),
+                                           constexprs=dict(V=v, BLOCK_V=blk, WRITE_MASKED=False))
+                cands.append((f"{mod.rsplit('.', 1)[-1]}/{blk}x{w}", [(spec, args + [out, out, v])]))
+            spec = sampling_spec("sample", v, rows)
+            o_idx, o_hist, nbytes = sample_scratch(rows, spec.constexprs["NP_PAD"])
+            scratch = b.buffer((nbytes,), np.uint8, np.zeros(nbytes, np.uint8)).data_ptr()
+            full = args + [out, out, scratch, scratch + o_idx, scratch + o_hist, v]
+            launches = [(dataclasses.replace(spec, grid=(rows, 1)) if p == PHASE_TOKEN else spec, full + [p])
+                        for p in sample_phases(temp, top_k, top_p, v)]
+            cands.append((f"this/{spec.constexprs['BLOCK_V']}x{spec.num_warps}", launches))
             ref = None
-            for mod in modules:
-                for blk, w in configs:
-                    spec = sampling_spec("sample", v, rows, config=ElementwiseConfig(block=blk, num_warps=w))
-                    if mod:
-                        spec = dataclasses.replace(spec, module=mod)
-                    b.compile([spec])
-                    us = b.time_us(Timed(reps=[[(spec, args + [out, out, v])]] * 20))
-                    got = b.read(out.data_ptr(), 4 * rows)
-                    ref = ref or got
-                    tag = "baseline" if mod else "this"
-                    res[f"{rows}/{mode}/{tag}/{blk}/{w}"] = us
-                    print(f"rows {rows:4d} {mode:8s} {tag:8s} block {blk:5d} warps {w:2d}: {us:8.1f} us  "
-                          f"same={got == ref}", flush=True)
+            for tag, launches in cands:
+                b.compile([s for s, _ in launches])
+                us = b.time_us(Timed(reps=[launches] * 20))
+                got = b.read(out.data_ptr(), 4 * rows)
+                ref = ref or got
+                res[f"{rows}/{mode}/{tag}"] = us
+                print(f"rows {rows:4d} {mode:8s} {tag:28s} {len(launches):2d} launches: {us:8.1f} us  "
+                      f"same={got == ref}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -14,7 +14,7 @@ from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, encode_args, input_layout, lower_bucket
 from kiln.codegen.triton.aot import cache_key, compile_specs, default_cache_dir
 from kiln.codegen.triton.configs import DEFAULT, Configs
-from kiln.codegen.triton.sampling import sampler_specs
+from kiln.codegen.triton.sampling import sampler_manifest, sampler_specs
 from kiln.graph import Graph
 from kiln.passes.plan_memory import plan_memory
 from kiln.runtime.bundle import Bundle, BundleError
@@ -135,8 +135,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "logits": {"offset": plan.offsets[out_name], "dtype": str(graph.tensors[out_name].dtype),
                    "vocab": int(graph.tensors[out_name].shape[1])},
         "kernels": kernel_meta, "plans": plans,
-        "sampler": {role: {"kernel": cache_key(spec, target), "args": list(spec.signature)}
-                    for role, spec in sampler.items()},
+        "sampler": sampler_manifest(sampler, lambda role, spec: cache_key(spec, target)),
         "compile_seconds": round(time.perf_counter() - t0, 2),
     }
     consts = {k: np.ascontiguousarray(v) for k, v in regions.consts.items()}

@@ -25,8 +25,9 @@ import yaml
 
 from kiln.errors import KilnError
 
-FORMAT_VERSION = 2  # 2: a stacked weight's entry may end with its interleave (graph/layout.py), which a
-# format-1 reader would ignore and upload the parts plainly stacked
+FORMAT_VERSION = 3  # 2: a stacked weight's entry may end with its interleave (graph/layout.py), which a
+# format-1 reader would ignore and upload the parts plainly stacked. 3: the sampler's sample
+# kernel runs in phases over a row split between programs (runtime/sample_phases.py)
 # A plan's pointer arguments are (region index << REGION_SHIFT) + byte offset; the runtime
 # relocates them by region base address at load (codegen/lower.py writes them).
 REGION_SHIFT = 44

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch
 from kiln.runtime.sampler import LogprobsTensors, SamplerOutput, compute_logprobs, gather_logprobs
 from kiln.runtime.sampler_inputs import SamplerInputs, row_seeds
 from kiln.runtime.sampling_metadata import SamplingMetadata
@@ -109,6 +110,11 @@ class GpuSampler:
         self._pending: list[Optional[SampleHandle]] = [None, None]
         self._turn, self._claimed = 0, None
         self._raw, self._raw_rows = 0, 0  # f32[rows, V] raw copies of sampled rows
+        # the sample kernel's programs per row and its scratch (sample_phases.py), grown on demand
+        meta = manifest["sampler"]["sample"]
+        self._sample_programs, self._sample_pad = int(meta["programs"]), int(meta["np_pad"])
+        self._scratch, self._scratch_rows = 0, 0
+        self._staged_inputs = None  # this step's SamplerInputs (_stage): the phases it needs
 
     # -- one step -------------------------------------------------------------------------
     def sample(self, rows: Sequence[int], md: Optional[SamplingMetadata], seeds: Sequence[Optional[int]] = (),
@@ -165,10 +171,14 @@ class GpuSampler:
                              start_ptr=staged["start"], tok_ptr=staged["tok"], bias_ptr=staged["bias"],
                              count_ptr=staged["count"], mode_ptr=staged["mode"], rep_ptr=staged["rep"],
                              freq_ptr=staged["freq"], pres_ptr=staged["pres"], stride=stride)
-            self._launch("sample", B, logits_ptr=self.logits_ptr, row_idx_ptr=staged["rows"],
-                         temp_ptr=staged["temp"], top_k_ptr=staged["top_k"], top_p_ptr=staged["top_p"],
-                         min_p_ptr=staged["min_p"], seed_ptr=staged["seeds"], out_ptr=out["ids"],
-                         masked_ptr=out["ids"], stride=stride)
+            val, idx, hist = self._reserve_sample(B)
+            inp = self._staged_inputs
+            for phase in sample_phases(inp.temperature, inp.top_k, inp.top_p, V):
+                self._launch("sample", (B, 1 if phase == PHASE_TOKEN else self._sample_programs),
+                             logits_ptr=self.logits_ptr, row_idx_ptr=staged["rows"], temp_ptr=staged["temp"],
+                             top_k_ptr=staged["top_k"], top_p_ptr=staged["top_p"], min_p_ptr=staged["min_p"],
+                             seed_ptr=staged["seeds"], out_ptr=out["ids"], masked_ptr=out["ids"], val_ptr=val,
+                             idx_ptr=idx, hist_ptr=hist, stride=stride, phase=phase)
         if gpu_k:
             self._launch("logprobs", B, logits_ptr=self._raw, row_idx_ptr=staged["iota"], tok_ptr=out["ids"],
                          tok_idx_ptr=staged["iota"], ids_ptr=out["lp_ids"], lp_ptr=out["lp"],
@@ -260,6 +270,7 @@ class GpuSampler:
         arrays: dict[str, np.ndarray] = {}
         if B:
             inp = SamplerInputs.from_metadata(md)
+            self._staged_inputs = inp
             steps = [len(t) for t in md.output_token_ids]
             seeds = list(seeds) if len(seeds) else [None] * B
             arrays.update(rows=np.asarray(rows, np.int32), temp=inp.temperature, top_k=inp.top_k, top_p=inp.top_p,
@@ -290,6 +301,20 @@ class GpuSampler:
         self.ctx.download(self.logits_ptr + 4 * self.vocab * j.first_row, raw)
         return gather_logprobs(compute_logprobs(raw), j.k, np.asarray(j.targets))
 
+    def _reserve_sample(self, rows: int) -> tuple[int, int, int]:
+        """-> (val, idx, hist) device pointers of the sample kernel's scratch for `rows` rows.
+        A new allocation starts zeroed (on the stream); every step's last phase leaves hist so."""
+        if rows > self._scratch_rows:
+            if self._scratch:
+                self.ctx.synchronize()  # the stream's earlier phases may still use the old one
+                self.ctx.free(self._scratch)
+            self._scratch_rows = max(rows, 2 * self._scratch_rows)
+            nbytes = sample_scratch(self._scratch_rows, self._sample_pad)[2]
+            self._scratch = self.ctx.malloc(nbytes)
+            self.ctx.memset(self._scratch, nbytes)
+        o_idx, o_hist, _ = sample_scratch(self._scratch_rows, self._sample_pad)
+        return self._scratch, self._scratch + o_idx, self._scratch + o_hist
+
     def _reserve_raw(self, rows: int) -> None:
         if rows > self._raw_rows:
             if self._raw:
@@ -297,7 +322,7 @@ class GpuSampler:
             self._raw_rows = max(rows, 2 * self._raw_rows)
             self._raw = self.ctx.malloc(4 * self.vocab * self._raw_rows)
 
-    def _launch(self, role: str, grid: int, **args) -> None:
+    def _launch(self, role: str, grid: int | tuple[int, int], **args) -> None:
         kernel, names, sig = self._roles[role]
         vals, types = [], []
         for name, ty in zip(names, sig):
@@ -307,7 +332,8 @@ class GpuSampler:
         vals += hidden
         types += hidden_types
         drv = self.ctx.drv
-        err, = drv.cuLaunchKernel(kernel.function, grid, 1, 1, 32 * kernel.num_warps, 1, 1, kernel.shared,
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+        err, = drv.cuLaunchKernel(kernel.function, gx, gy, 1, 32 * kernel.num_warps, 1, 1, kernel.shared,
                                   self.ctx.stream, (tuple(vals), tuple(types)), 0)
         if err != drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"launching {kernel.name} failed: {err}")

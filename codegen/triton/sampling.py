@@ -1,10 +1,13 @@
 """Sampling on the GPU: the numpy sampler's steps (runtime/sampler.py, ported from vLLM V1
 `vllm/v1/sample/sampler.py`) on f32 logits rows already in device memory.
 
-Every kernel runs one program per row and walks the vocabulary in BLOCK_V chunks, so
+The row kernels run one program per row and walk the vocabulary in BLOCK_V chunks, so
 any V (152k for Qwen) works with fixed registers; a row is 4V bytes and stays in L2
-between passes. Rows are addressed through `row_idx` (program j works on logits row
-row_idx[j]), so the sampled rows of a step need not be contiguous.
+between passes. sample_kernel instead splits each row over cdiv(V, BLOCK_V) programs and
+runs in phases, one launch each (runtime/sample_phases.py): one program per row made a
+128k-token row's top-k/top-p passes one SM's work, 3.3 ms a step on the H200. Rows are
+addressed through `row_idx` (program j works on logits row row_idx[j]), so the sampled
+rows of a step need not be contiguous.
 
   logits_processors_kernel  in place, from a compact CSR list per row: entries
       (token, additive bias, output count) cover logit_bias, bad words and min_tokens
@@ -20,15 +23,17 @@ row_idx[j]), so the sampled rows of a step need not be contiguous.
   feed_tokens_kernel        tokens a step sampled into the next step's input ids, on the
       device (async scheduling: the next step is launched before the ids reach the host).
 
-Top-k and top-p need no sort: the k-th largest value (and the top-p cut) is found by
-searching the order-preserving int32 image of the f32 values: top-k by a radix select,
-8 bits a pass (4 counting passes with tl.histogram, where a binary search took 32), top-p
-by a binary search over the mass, one pass per bit of the keys at or above the top-k cut. Both keep every token tied with the last
-kept one (a value cut), as the numpy reference does; vLLM's sort-based top-p masks by
-sorted position and may drop some of the tokens tied with its last kept one, in the
-sort's order.
+Top-k and top-p need no sort: the k-th largest value and the top-p cut are found by radix
+searches over the order-preserving int32 image of the f32 values, one pass over the row per
+digit, every program adding its part with integer atomics: top-k 8 bits a pass (4 counting
+passes, tl.histogram), top-p 4 bits a pass (8 passes over the mass, in fixed point). Both
+keep every token tied with the last kept one (a value cut), as the numpy reference does;
+vLLM's sort-based top-p masks by sorted position and may drop some of the tokens tied with
+its last kept one, in the sort's order.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import triton
@@ -36,7 +41,8 @@ import triton.language as tl
 
 from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, launch,
-                                        shape_of, strides_of)
+                                        next_pow2, shape_of, strides_of)
+from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch
 
 NEG_INF = tl.constexpr(float("-inf"))
 # Launch config of the bundle's sampling kernels: one program per row, so the block is
@@ -44,6 +50,9 @@ NEG_INF = tl.constexpr(float("-inf"))
 # work. H200, V = 128,256 (.carry probe, docs/BENCHMARKS.md): greedy 19.2 -> 12.1 us a row,
 # temperature with top-k 50 and top-p 0.9 3.36 -> <1.8 ms, 512 greedy rows 89 -> 71-81 us.
 DEFAULT_CONFIG = ElementwiseConfig(block=8192, num_warps=32)
+# sample_kernel: a row is split over cdiv(V, 2,048) programs (63 for a 128k vocabulary), each
+# pass over it is one launch of (rows, 63) programs
+SAMPLE_CONFIG = ElementwiseConfig(block=2048, num_warps=4)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -115,71 +124,6 @@ def _scaled(base, cols, V, temp, zmax, min_p):
     return w, key
 
 
-@triton.jit
-def _radix(kw):
-    """The key as uint32 in the same order (the sign bit flipped): radix digits from the top."""
-    return kw.to(tl.uint32, bitcast=True) ^ 0x80000000
-
-
-@triton.jit
-def _kth_largest_key(base, V, temp, zmax, min_p, k, BLOCK_V: tl.constexpr):
-    """The int32 key of the k-th largest scaled value (1 <= k < V), i.e. the largest t with
-    #(key >= t) >= k: a radix select, 8 bits a pass from the top (4 passes over the row).
-    Pass p counts, among the tokens whose higher digits equal the ones chosen so far, each
-    value of the next digit (tl.histogram), and keeps the largest digit with at least k_rem
-    tokens at or above it; k_rem drops by the tokens above that digit. An integer count,
-    so the key is exact: the binary search over all 2^32 keys (32 passes) found the same."""
-    bins = tl.arange(0, 256)
-    prefix = tl.full((), 0, tl.uint32)  # the digits chosen so far
-    k_rem = k
-    for p in tl.static_range(4):
-        SHIFT = 24 - 8 * p  # a constexpr (p is one)
-        hist = tl.zeros((256,), tl.int32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            _, kw = _scaled(base, cols, V, temp, zmax, min_p)
-            u = _radix(kw)
-            m = cols < V
-            if p > 0:
-                m = m & ((u >> (SHIFT + 8)) == prefix)
-            hist += tl.histogram(((u >> SHIFT) & 0xFF).to(tl.int32), 256, mask=m)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [d]: #(digit >= d)
-        d = tl.max(tl.where(at_or_above >= k_rem, bins, 0), axis=0)  # d = 0 holds: all >= k_rem
-        k_rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-        prefix = (prefix << 8) | d.to(tl.uint32)
-    return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _top_p_key(base, V, temp, zmax, min_p, kth, top_p, BLOCK_V: tl.constexpr):
-    """The top-p cut among tokens with key >= kth: the largest value t whose strictly
-    smaller tokens hold at most 1 - p of the mass (the reference drops sorted tokens while
-    the cumulative mass is <= 1 - p; the top token always stays: t <= key(zmax)). A binary
-    search from kth up (no token under kth counts, so the cut is at least kth): one pass a
-    step. (A radix search by 4-bit digits, 8 passes, took longer on the H200: summing each
-    token's mass into 16 bins costs more than the passes it saves.)"""
-    total = tl.zeros((BLOCK_V,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        w, kw = _scaled(base, cols, V, temp, zmax, min_p)
-        total += tl.where(kw >= kth, tl.exp(w - zmax), 0.0)
-    limit = (1.0 - top_p) * tl.sum(total, axis=0)
-    lo = kth.to(tl.int64)
-    hi = _key(zmax).to(tl.int64)
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        t = mid.to(tl.int32)
-        mass = tl.zeros((BLOCK_V,), tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            w, kw = _scaled(base, cols, V, temp, zmax, min_p)
-            mass += tl.where((kw >= kth) & (kw < t), tl.exp(w - zmax), 0.0)
-        ok = tl.sum(mass, axis=0) <= limit
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    return lo.to(tl.int32)
-
-
 # -- kernels ------------------------------------------------------------------------------
 
 @triton.jit
@@ -228,46 +172,161 @@ def logits_processors_kernel(logits_ptr, row_idx_ptr, start_ptr, tok_ptr, bias_p
 
 
 @triton.jit
+def _radix(kw):
+    """The key as uint32 in the same order (the sign bit flipped): radix digits from the top."""
+    return kw.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _split_max(val_ptr, idx_ptr, b, V, NP, NP_PAD: tl.constexpr):
+    """Row b's (max, index of its first occurrence) from its programs' phase-0 partials."""
+    j = tl.arange(0, NP_PAD)
+    v = tl.load(val_ptr + b * 2 * NP_PAD + j, mask=j < NP, other=NEG_INF)
+    i = tl.load(idx_ptr + b * 2 * NP_PAD + j, mask=j < NP, other=V)
+    m = tl.max(v, axis=0)
+    return m, tl.min(tl.where(v == m, i, V), axis=0)
+
+
+@triton.jit
+def _top_k_replay(hist_row, k, npass):
+    """The radix select's state after `npass` of its 4 count passes (8-bit digits, hist_row[p]
+    the counts of pass p): (the digits chosen, k minus the tokens above them). After all 4
+    the digits are the k-th largest key: the largest t with #(key >= t) >= k."""
+    bins = tl.arange(0, 256)
+    prefix = tl.full((), 0, tl.uint32)
+    k_rem = k.to(tl.int64)
+    for p in tl.static_range(4):
+        if p < npass:
+            h = tl.load(hist_row + p * 256 + bins)
+            at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # [d]: #(digit >= d)
+            d = tl.max(tl.where(at_or_above >= k_rem, bins, 0), axis=0)  # d = 0 holds: all >= k_rem
+            k_rem -= tl.sum(tl.where(bins > d, h, 0), axis=0)
+            prefix = (prefix << 8) | d.to(tl.uint32)
+    return prefix, k_rem
+
+
+@triton.jit
+def _top_p_replay(hist_row, top_p, npass):
+    """The top-p search's state after `npass` of its 8 mass passes (4-bit digits, hist_row[4 + q]
+    the fixed-point mass of each digit of pass q): (the digits chosen, the mass under them).
+    Each pass keeps the largest digit whose lower digits' mass, with the mass below, stays
+    within the limit (1 - p) x the total: after all 8 the digits are the largest t whose
+    strictly smaller tokens hold at most 1 - p of the mass (the mass is non-decreasing in t)."""
+    bins = tl.arange(0, 16)
+    total = tl.sum(tl.load(hist_row + 4 * 256 + bins), axis=0)  # pass 0 counts every token
+    limit = (1.0 - top_p.to(tl.float64)) * total.to(tl.float64)
+    prefix = tl.full((), 0, tl.uint32)
+    below = tl.zeros((), tl.int64)
+    for q in tl.static_range(8):
+        if q < npass:
+            c = tl.cumsum(tl.load(hist_row + (4 + q) * 256 + bins), axis=0)
+            d = tl.minimum(tl.sum(((below + c).to(tl.float64) <= limit).to(tl.int32), axis=0), 15)
+            below += tl.max(tl.where(bins < d, c, 0), axis=0)  # c[d - 1]: the fits are a prefix
+            prefix = (prefix << 4) | d.to(tl.uint32)
+    return prefix, below
+
+
+@triton.jit
+def _unradix(prefix):
+    return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+
+
+MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40: masses (a token's exp(z - zmax) <= 1) in fixed point
+
+
+@triton.jit
 def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr,
-                  masked_ptr, stride, V: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_MASKED: tl.constexpr):
-    # grid: (B,); logits: f32[*, V] processed; temp[b] 0: greedy; top_k[b] V: off; top_p[b]
-    # 1: off; seed: i64[B] Philox key of this row this step; out: i32[B].
+                  masked_ptr, val_ptr, idx_ptr, hist_ptr, stride, phase,
+                  V: tl.constexpr, BLOCK_V: tl.constexpr, NP_PAD: tl.constexpr, WRITE_MASKED: tl.constexpr):
+    # The phases: runtime/sample_phases.py. grid: (B, NP = cdiv(V, BLOCK_V)), phase 14: (B, 1).
+    # logits: f32[*, V] processed; temp[b]
+    # 0: greedy; top_k[b] V: off; top_p[b] 1: off; seed: i64[B] Philox key of this row this
+    # step; out: i32[B]. Program (b, j) owns tokens [j BLOCK_V, (j + 1) BLOCK_V) of row b.
+    # Scratch: val f32 / idx i32 [B, 2, NP_PAD]
+    # partial (max, index) of phase 0 and 13; hist i64[B, 12, 256], zero when phase 1 starts
+    # and when phase 14 ends: the top-k counts (passes 0-3) and the top-p masses (4-11),
+    # added with integer atomics: exact, so neither the programs' order nor the batch changes a
+    # row's numbers (each program's own sums depend only on its tokens and the launch config).
     # WRITE_MASKED (tests): masked[b] = z after min_p / top-k / top-p, -inf where cut.
-    b = tl.program_id(0)
+    b, j = tl.program_id(0), tl.program_id(1)
+    NP: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     base = logits_ptr + tl.load(row_idx_ptr + b).to(tl.int64) * stride
+    hist_row = hist_ptr + b.to(tl.int64) * 12 * 256
+    cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    if phase == 0:  # this program's (max, first index)
+        m, i = _first_max(_load_row(base, cols, V), cols, V)
+        tl.store(val_ptr + b * 2 * NP_PAD + j, m)
+        tl.store(idx_ptr + b * 2 * NP_PAD + j, tl.where(m > NEG_INF, i, j * BLOCK_V))
+        return
+    xmax, argmax = _split_max(val_ptr, idx_ptr, b, V, NP, NP_PAD)
     temp = tl.load(temp_ptr + b)
-    xmax, tok = _row_argmax(base, V, BLOCK_V)
-    if (temp > 0) & (xmax > NEG_INF):
+    random = (temp > 0) & (xmax > NEG_INF)
+    if phase == 14:  # (grid (B, 1)) the row's token; the histograms back to zero
+        tok = argmax
+        if random:
+            m, i = _split_max(val_ptr + NP_PAD, idx_ptr + NP_PAD, b, V, NP, NP_PAD)
+            tok = tl.where(m >= 0.0, i, argmax)  # nothing kept (cannot happen: the top token stays)
+        tl.store(out_ptr + b, tl.where(xmax > NEG_INF, tok, 0))
+        for p in tl.static_range(12):
+            tl.store(hist_row + p * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int64))
+        return
+    if random:
         zmax = tl.math.div_rn(xmax, temp)  # division rounds monotonically: max(x / T) = max(x) / T
         min_p = tl.load(min_p_ptr + b)
         k = tl.load(top_k_ptr + b)
         top_p = tl.load(top_p_ptr + b)
-        kth = tl.full((), -2147483648, tl.int32)
-        if k < V:
-            kth = _kth_largest_key(base, V, temp, zmax, min_p, k, BLOCK_V).to(tl.int32)
-        cut = kth
-        if top_p < 1.0:
-            cut = tl.maximum(cut, _top_p_key(base, V, temp, zmax, min_p, kth, top_p, BLOCK_V))
-        # Exponential race: argmax p_i / q_i with q_i ~ Exp(1) draws i with probability p_i.
-        # p_i / q_i = exp(z_i - zmax) / (S q_i); S is common to the row. Noise is keyed by
-        # (row seed, token id), so a row's draw does not depend on its batch.
-        seed = tl.load(seed_ptr + b)
-        best = tl.full((BLOCK_V,), -1.0, tl.float32)
-        best_idx = tl.arange(0, BLOCK_V)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            w, kw = _scaled(base, cols, V, temp, zmax, min_p)
-            keep = (kw >= cut) & (w > NEG_INF)
-            if WRITE_MASKED:
-                tl.store(masked_ptr + b.to(tl.int64) * V + cols, tl.where(keep, w, NEG_INF), mask=cols < V)
-            q = -tl.log(tl.rand(seed, cols))  # u in [0, 1): q in (0, inf]
-            score = tl.where(keep, tl.exp(w - zmax) / q, -1.0)
-            better = score > best
-            best_idx = tl.where(better, cols, best_idx)
-            best = tl.where(better, score, best)
-        m, i = _first_max(best, best_idx, V)
-        tok = tl.where(m >= 0.0, i, tok)  # nothing kept (cannot happen: the top token stays): argmax
-    tl.store(out_ptr + b, tok)
+        in_row = cols < V
+        if phase <= 4:  # top-k count pass phase - 1
+            if k < V:
+                w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+                u = _radix(kw)
+                prefix, _ = _top_k_replay(hist_row, k, phase - 1)
+                shift = (4 - phase) * 8
+                m = in_row & (((u >> shift) >> 8) == prefix)  # (not u >> (shift + 8): >> 32 is undefined)
+                if tl.max(m.to(tl.int32), axis=0) > 0:  # past the first pass most chunks hold none
+                    h = tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+                    tl.atomic_add(hist_row + (phase - 1) * 256 + tl.arange(0, 256), h.to(tl.int64), sem="relaxed")
+        else:
+            kth = tl.full((), -2147483648, tl.int32)
+            if k < V:
+                kth = _unradix(_top_k_replay(hist_row, k, 4)[0])
+            if phase <= 12:  # top-p mass pass phase - 5, among the tokens at or above kth
+                if top_p < 1.0:
+                    w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+                    u = _radix(kw)
+                    prefix, _ = _top_p_replay(hist_row, top_p, phase - 5)
+                    shift = (12 - phase) * 4
+                    m = in_row & (kw >= kth) & (((u >> shift) >> 4) == prefix)
+                    if tl.max(m.to(tl.int32), axis=0) > 0:  # (with top-k, or past the first passes: few)
+                        e = tl.where(m, tl.exp(w - zmax), 0.0)
+                        dig = ((u >> shift) & 0xF).to(tl.int32)
+                        bins = tl.arange(0, 16)
+                        h = tl.zeros((16,), tl.float32)
+                        for d in tl.static_range(16):  # (a [BLOCK_V, 16] sum would not fit in registers)
+                            h = tl.where(bins == d, tl.sum(tl.where(dig == d, e, 0.0), axis=0), h)
+                        # This program's f32 sums (its tokens and its layout fix their order) go in
+                        # as fixed-point integers: the row's totals do not depend on program order.
+                        tl.atomic_add(hist_row + (4 + phase - 5) * 256 + bins, (h * MASS_ONE).to(tl.int64),
+                                      sem="relaxed")
+            else:  # phase 13: the exponential race over the kept tokens
+                cut = kth
+                if top_p < 1.0:
+                    prefix, _ = _top_p_replay(hist_row, top_p, 8)
+                    cut = tl.maximum(cut, tl.minimum(_unradix(prefix), _key(zmax)))
+                # argmax p_i / q_i with q_i ~ Exp(1) draws i with probability p_i; p_i / q_i =
+                # exp(z_i - zmax) / (S q_i), S common to the row. Noise is keyed by (row seed,
+                # token id), so a row's draw does not depend on its batch.
+                w, kw = _scaled(base, cols, V, temp, zmax, min_p)
+                keep = (kw >= cut) & (w > NEG_INF)
+                if WRITE_MASKED:
+                    tl.store(masked_ptr + b.to(tl.int64) * V + cols, tl.where(keep, w, NEG_INF), mask=in_row)
+                m = tl.full((), -1.0, tl.float32)  # nothing kept here (with top-k: most chunks)
+                i = j * BLOCK_V
+                if tl.max(keep.to(tl.int32), axis=0) > 0:
+                    q = -tl.log(tl.rand(tl.load(seed_ptr + b), cols))  # u in [0, 1): q in (0, inf]
+                    m, i = _first_max(tl.where(keep, tl.exp(w - zmax) / q, -1.0), cols, V)
+                tl.store(val_ptr + b * 2 * NP_PAD + NP_PAD + j, m)
+                tl.store(idx_ptr + b * 2 * NP_PAD + NP_PAD + j, i)
 
 
 @triton.jit
@@ -354,7 +413,8 @@ SIGNATURES = {
     "processors": dict(logits_ptr=_P, row_idx_ptr="*i32", start_ptr="*i32", tok_ptr="*i32", bias_ptr=_P,
                        count_ptr="*i32", mode_ptr="*i32", rep_ptr=_P, freq_ptr=_P, pres_ptr=_P, stride="i32"),
     "sample": dict(logits_ptr=_P, row_idx_ptr="*i32", temp_ptr=_P, top_k_ptr="*i32", top_p_ptr=_P,
-                   min_p_ptr=_P, seed_ptr="*i64", out_ptr="*i32", masked_ptr=_P, stride="i32"),
+                   min_p_ptr=_P, seed_ptr="*i64", out_ptr="*i32", masked_ptr=_P, val_ptr=_P, idx_ptr="*i32",
+                   hist_ptr="*i64", stride="i32", phase="i32"),
     "logprobs": dict(logits_ptr=_P, row_idx_ptr="*i32", tok_ptr="*i32", tok_idx_ptr="*i32", ids_ptr="*i32",
                      lp_ptr=_P, rank_ptr="*i32", stride="i32", K="i32"),
     "copy_rows": dict(src_ptr=_P, row_idx_ptr="*i32", dst_ptr=_P, stride="i32"),
@@ -373,11 +433,17 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
     if role == "feed":  # one scalar copy per program; dst is an input array inside a region
         return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs={}, grid=(rows,),
                           num_warps=1, num_stages=1, divisible=("src_ptr", "src_idx_ptr", "dst_idx_ptr"))
+    if role == "sample":  # one program per BLOCK_V tokens of a row: its own launch config
+        config = config if config is not DEFAULT_CONFIG else SAMPLE_CONFIG
+        np_ = -(-vocab // config.block)
+        return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig,
+                          constexprs=dict(V=vocab, BLOCK_V=config.block, NP_PAD=next_pow2(np_),
+                                          WRITE_MASKED=write_masked),
+                          grid=(rows, np_), num_warps=config.num_warps, num_stages=1,
+                          divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
     const = dict(V=vocab, BLOCK_V=config.block)
     if role == "processors":
         const.update(BLOCK_E=BLOCK_E, INTERPRET=False)  # launch() sets INTERPRET under the interpreter
-    if role == "sample":
-        const["WRITE_MASKED"] = write_masked
     return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs=const, grid=(rows,),
                       num_warps=config.num_warps, num_stages=1,
                       divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
@@ -386,6 +452,15 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
 def sampler_specs(vocab: int, config: ElementwiseConfig = DEFAULT_CONFIG) -> dict[str, KernelSpec]:
     """role -> spec: what compile_bundle compiles for a model's vocabulary."""
     return {role: sampling_spec(role, vocab, config=config) for role in SIGNATURES}
+
+
+def sampler_manifest(specs: dict[str, KernelSpec], key) -> dict:
+    """A bundle manifest's "sampler" entry, what runtime/gpu_sampler.py launches by: role ->
+    its kernel (key(role, spec)), argument names, and for the sample kernel the programs a row
+    is split over and their padded count (its scratch layout, runtime/sample_phases.py)."""
+    return {role: {"kernel": key(role, spec), "args": list(spec.signature),
+                   **({"programs": spec.grid[1], "np_pad": spec.constexprs["NP_PAD"]} if role == "sample" else {})}
+            for role, spec in specs.items()}
 
 
 # -- wrappers (numpy arrays under the interpreter, device Bufs on a GPU) ---------------------
@@ -420,7 +495,8 @@ def apply_logits_processors(logits, row_idx, start, tok, bias, count, mode, rep,
 
 def sample(logits, row_idx, temperature, top_k, top_p, min_p, seeds, *, masked=None,
            config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:
-    """-> i32[B]: the token of each row; masked (f32[B, V], optional): the kept z values."""
+    """-> i32[B]: the token of each row; masked (f32[B, V], optional): the kept z values.
+    Launches sample_kernel's phases (sample_phases) one after the other over a zeroed scratch."""
     logits = _logits(logits)
     n = len(row_idx)
     v = shape_of(logits)[1]
@@ -428,8 +504,14 @@ def sample(logits, row_idx, temperature, top_k, top_p, min_p, seeds, *, masked=N
     write = masked is not None
     masked = as_buf(masked) if write else out  # never written when WRITE_MASKED is off
     spec = sampling_spec("sample", v, n, config=config, write_masked=write)
-    launch(spec, [logits, _i32(row_idx), _f32(temperature), _i32(top_k), _f32(top_p), _f32(min_p),
-                  as_buf(np.ascontiguousarray(seeds, dtype=np.int64)), out, masked, strides_of(logits)[0]])
+    o_idx, o_hist, nbytes = sample_scratch(n, spec.constexprs["NP_PAD"])
+    scratch = np.zeros(nbytes, np.uint8)
+    val, idx, hist = (as_buf(scratch[a:b].view(dt)) for a, b, dt in
+                      ((0, o_idx, np.float32), (o_idx, o_hist, np.int32), (o_hist, nbytes, np.int64)))
+    args = [logits, _i32(row_idx), _f32(temperature), _i32(top_k), _f32(top_p), _f32(min_p),
+            as_buf(np.ascontiguousarray(seeds, dtype=np.int64)), out, masked, val, idx, hist, strides_of(logits)[0]]
+    for phase in sample_phases(temperature, top_k, top_p, v):
+        launch(dataclasses.replace(spec, grid=(n, 1)) if phase == PHASE_TOKEN else spec, args + [phase])
     return out.array
 
 

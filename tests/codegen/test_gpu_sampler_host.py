@@ -60,6 +60,9 @@ class HostDevice:
     def synchronize(self):
         pass
 
+    def memset(self, ptr, nbytes):
+        ctypes.memset(ptr, 0, nbytes)
+
     def download_async(self, ptr, out):  # the stand-in runs everything at once
         return self.download(ptr, out)
 
@@ -79,7 +82,7 @@ class HostDevice:
         _interpreter_compat()
         fn = kernel_fn(spec)
         kw = dict(spec.constexprs, **({"INTERPRET": True} if "INTERPRET" in fn.arg_names else {}))
-        fn[(gx,)](*args, **kw)
+        fn[(gx, gy)](*args, **kw)
         self.launched.append(spec.kernel)
         return (0,)
 
@@ -88,7 +91,7 @@ def host_sampler(dev: HostDevice, vocab: int, logits_ptr: int, seed=0, block=32)
     """A GpuSampler as CudaExecutor.make_sampler builds it, its kernels from the specs a bundle records."""
     specs = K.sampler_specs(vocab, ElementwiseConfig(block=block, num_warps=4))
     manifest = {"logits": {"vocab": vocab},
-                "sampler": {r: {"kernel": r, "args": list(s.signature)} for r, s in specs.items()},
+                "sampler": K.sampler_manifest(specs, lambda role, spec: role),
                 "kernels": {r: {"signature": list(s.signature.values())} for r, s in specs.items()}}
     kernels = {r: Kernel(s.kernel, s, s.num_warps, 0, 0) for r, s in specs.items()}
     return GpuSampler(dev, manifest, kernels, logits_ptr, seed=seed)

@@ -223,7 +223,7 @@ def test_a_152k_vocabulary_against_numpy_and_timed(gpu_target):
     """The bundle's kernels at Qwen's vocabulary on random f32 rows: greedy, top-k/top-p
     kept sets, top-20 logprobs against numpy, and the time of a sample() call."""
     from kiln.codegen.triton.aot import compile_specs
-    from kiln.codegen.triton.sampling import sampler_specs
+    from kiln.codegen.triton.sampling import sampler_manifest, sampler_specs
     from kiln.runtime.cuda_driver import CudaContext
 
     vocab, B = 151936, 64
@@ -233,7 +233,7 @@ def test_a_152k_vocabulary_against_numpy_and_timed(gpu_target):
     kernels = {r: ctx.load_kernel(c.cubin, c.name, c.num_warps, c.shared, c.n_hidden)
                for r, c in zip(specs, compiled)}
     manifest = {"logits": {"vocab": vocab},
-                "sampler": {r: {"kernel": r, "args": list(s.signature)} for r, s in specs.items()},
+                "sampler": sampler_manifest(specs, lambda role, spec: role),
                 "kernels": {r: {"signature": list(s.signature.values())} for r, s in specs.items()}}
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((B, vocab)) * 2.5).astype(np.float32)
