@@ -45,10 +45,10 @@ from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, 
 from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch
 
 NEG_INF = tl.constexpr(float("-inf"))
-# Launch config of the bundle's sampling kernels: one program per row, so the block is
-# wide to keep one SM's loads in flight, and the warps many: a row's passes are one SM's
-# work. H200, V = 128,256 (.carry probe, docs/BENCHMARKS.md): greedy 19.2 -> 12.1 us a row,
-# temperature with top-k 50 and top-p 0.9 3.36 -> <1.8 ms, 512 greedy rows 89 -> 71-81 us.
+# Launch config of the bundle's row kernels (processors, logprobs, copy_rows): one program per
+# row, so the block is wide to keep one SM's loads in flight, and the warps many: a row's
+# passes are one SM's work. (H200, V = 128,256: the one-program sample kernel took greedy rows
+# from 19.2 to 12.1 us with it instead of 2,048 x 8 warps; docs/bench/h200_sampler_sweep.json.)
 DEFAULT_CONFIG = ElementwiseConfig(block=8192, num_warps=32)
 # sample_kernel: a row is split over cdiv(V, 2,048) programs (63 for a 128k vocabulary), each
 # pass over it is one launch of (rows, 63) programs
