@@ -55,12 +55,12 @@ def level_stats(conc: int, ttfts, tpots, tokens: int, wall: float, expected: int
 
 
 def offline_level(llm, a, conc: int, prompts: list[list[int]]) -> dict:
-    from kiln.bench.workloads import check_lengths, greedy
+    from kiln.bench.workloads import check_lengths, sampling
 
     outs = []
     t0 = time.perf_counter()
     for k in range(0, len(prompts), conc):
-        outs += llm.generate(prompts[k:k + conc], greedy(a.output_len))
+        outs += llm.generate(prompts[k:k + conc], sampling(a.output_len))
     wall = time.perf_counter() - t0
     tokens = check_lengths(outs, [a.output_len] * len(outs))
     return level_stats(conc, [o.metrics.ttft for o in outs], [o.metrics.tpot for o in outs], tokens, wall,
@@ -238,7 +238,7 @@ async def server_level(url: str, a, conc: int, prompts: list[list[int]]) -> dict
 
 
 def run_server_workload(a) -> dict:
-    from kiln.bench.workloads import engine, greedy
+    from kiln.bench.workloads import engine, sampling
     from kiln.build import load_frontend
 
     cfg, _ = load_frontend(a.model, tokenizer=False)
@@ -246,7 +246,7 @@ def run_server_workload(a) -> dict:
     offline: dict = {}
     if not a.no_offline:
         with engine(a) as llm:
-            llm.generate([requests[a.concurrency[0]][0][:16]], greedy(4))  # warm-up
+            llm.generate([requests[a.concurrency[0]][0][:16]], sampling(4))  # warm-up
             for c in a.concurrency:
                 offline[c] = offline_level(llm, a, c, requests[c])
                 print(f"[kiln] offline c={c}: {offline[c]['output_tok_s']:.1f} tok/s", file=sys.stderr)

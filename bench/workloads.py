@@ -1,5 +1,6 @@
 """The performance issue's workloads, run through kiln's public APIs (`kiln.LLM`, `build.py
-serve`) with token-id prompts, greedy sampling, EOS ignored and fixed lengths:
+serve`) with token-id prompts, greedy sampling (decode, throughput and random-256: or --temperature with
+--top-k and --top-p), EOS ignored and fixed lengths:
 
     decode       batch-1 decode at --context 512 for --steps 128 (tok/s; the weight-bytes roofline at
                  the copy bandwidth measured in the same run; on a GPU also the bare graph-replay time)
@@ -63,10 +64,15 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 # -- helpers shared by the workloads ---------------------------------------------------------------
 
-def greedy(max_tokens: int):
+def sampling(max_tokens: int, a=None):
+    """The workloads' sampling: greedy, or with `a` (the bench flags) at --temperature with
+    --top-k and --top-p."""
     from kiln import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    if a is None or not a.temperature:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=a.temperature, top_k=a.top_k,
+                          top_p=a.top_p)
 
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
@@ -159,11 +165,11 @@ def decode(a) -> dict:
     rng = np.random.default_rng(a.seed)
     with engine(a) as llm:
         vocab = llm.engine.vocab_size
-        llm.generate(random_prompts(rng, [8], vocab), greedy(4))  # warm-up: the batch-1 graph is captured
+        llm.generate(random_prompts(rng, [8], vocab), sampling(4))  # warm-up: the batch-1 graph is captured
         tpots, produced = [], 0
         with progress(llm, a, a.repeats * (a.steps + 1), "decode"):
             for _ in range(a.repeats):
-                out = llm.generate(random_prompts(rng, [a.context], vocab), greedy(a.steps + 1))
+                out = llm.generate(random_prompts(rng, [a.context], vocab), sampling(a.steps + 1, a))
                 produced += check_lengths(out, [a.steps + 1])
                 tpots.append(out[0].metrics.tpot)  # (last token - first token) / steps: decode steps only
         res = {"metric": "decode_tok_s", "value": 1 / statistics.median(tpots)}
@@ -186,11 +192,11 @@ def prefill(a) -> dict:
     rng = np.random.default_rng(a.seed)
     with engine(a) as llm:
         vocab = llm.engine.vocab_size
-        llm.generate(random_prompts(rng, [a.input_len], vocab), greedy(1))  # warm-up at the same size
+        llm.generate(random_prompts(rng, [a.input_len], vocab), sampling(1))  # warm-up at the same size
         ttfts, produced = [], 0
         with progress(llm, a, a.repeats, "prefill"):
             for _ in range(a.repeats):  # fresh random prompts: no prefix-cache hits
-                out = llm.generate(random_prompts(rng, [a.input_len], vocab), greedy(1))
+                out = llm.generate(random_prompts(rng, [a.input_len], vocab), sampling(1))
                 produced += check_lengths(out, [1])
                 ttfts.append(out[0].metrics.ttft)
     ttft = statistics.median(ttfts)
@@ -204,10 +210,10 @@ def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
     with engine(a) as llm:
         vocab = llm.engine.vocab_size
         prompts = random_prompts(rng, in_lens, vocab)
-        llm.generate(random_prompts(rng, [8], vocab), greedy(4))  # warm-up
+        llm.generate(random_prompts(rng, [8], vocab), sampling(4))  # warm-up
         with progress(llm, a, sum(out_lens), desc):
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, [greedy(n) for n in out_lens])
+            outs = llm.generate(prompts, [sampling(n, a) for n in out_lens])
             wall = time.perf_counter() - t0
         ahead = llm.engine.core.async_scheduling  # as the engine ran, not as asked
     produced = check_lengths(outs, out_lens)
@@ -291,6 +297,8 @@ def run_bench(args: argparse.Namespace) -> int:
               "metric": res.pop("metric"), "value": res.pop("value"), "roofline": res.pop("roofline", None),
               "peers": peers, "command": command_line(args), "model": a.model, "target": a.target,
               "kv_cache_dtype": a.kv_cache_dtype,
+              "sampling": ({"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}
+                           if a.temperature and a.workload in ("decode", "throughput", "random-256") else "greedy"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     line = f"[kiln] {a.workload}: {record['metric']} = {record['value']:.2f}"
     if record["roofline"]:

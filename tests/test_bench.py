@@ -92,6 +92,15 @@ def test_throughput_with_async_scheduling(tmp_path, tiny_ckpt):
     assert rec["output_tokens"] == 15
 
 
+def test_throughput_with_top_k_top_p_sampling(tmp_path, tiny_ckpt):
+    """--temperature, --top-k, --top-p reach the record and the command; the sampled run still
+    produces exactly the tokens asked for."""
+    rec = run_bench(tmp_path, tiny_ckpt, "throughput", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9")
+    assert rec["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+    assert " --temperature 0.8 --top-k 20 --top-p 0.9" in rec["command"] and rec["output_tokens"] == 15
+    assert run_bench(tmp_path, tiny_ckpt, "throughput")["sampling"] == "greedy"
+
+
 def test_random_256_is_seeded(tmp_path, tiny_ckpt):
     a = run_bench(tmp_path, tiny_ckpt, "random-256", "--num-requests", "6")
     b = run_bench(tmp_path, tiny_ckpt, "random-256", "--num-requests", "6")
