@@ -114,7 +114,6 @@ class GpuSampler:
         meta = manifest["sampler"]["sample"]
         self._sample_programs, self._sample_pad = int(meta["programs"]), int(meta["np_pad"])
         self._scratch, self._scratch_rows = 0, 0
-        self._staged_inputs = None  # this step's SamplerInputs (_stage): the phases it needs
 
     # -- one step -------------------------------------------------------------------------
     def sample(self, rows: Sequence[int], md: Optional[SamplingMetadata], seeds: Sequence[Optional[int]] = (),
@@ -140,7 +139,7 @@ class GpuSampler:
         gpu_kp = P > 0
 
         slot = self._claim()
-        staged = self._stage(slot, rows, md, seeds, [prompt[i] for i in on_gpu])
+        staged, inp = self._stage(slot, rows, md, seeds, [prompt[i] for i in on_gpu])
         out_specs = {"ids": (np.int32, max(B, 1))}
         if gpu_k:
             out_specs.update(lp_ids=(np.int32, B * (k + 1)), lp=(np.float32, B * (k + 1)), lp_rank=(np.int32, B * (k + 1)))
@@ -172,7 +171,6 @@ class GpuSampler:
                              count_ptr=staged["count"], mode_ptr=staged["mode"], rep_ptr=staged["rep"],
                              freq_ptr=staged["freq"], pres_ptr=staged["pres"], stride=stride)
             val, idx, hist = self._reserve_sample(B)
-            inp = self._staged_inputs
             for phase in sample_phases(inp.temperature, inp.top_k, inp.top_p, V):
                 self._launch("sample", (B, 1 if phase == PHASE_TOKEN else self._sample_programs),
                              logits_ptr=self.logits_ptr, row_idx_ptr=staged["rows"], temp_ptr=staged["temp"],
@@ -264,13 +262,15 @@ class GpuSampler:
         return self._claimed
 
     # -- pieces ---------------------------------------------------------------------------
-    def _stage(self, slot: int, rows, md, seeds, gpu_prompt: Sequence[PromptJob]) -> dict[str, int]:
-        """Pack this step's inputs into the pinned buffer, one async upload -> name: device pointer."""
+    def _stage(self, slot: int, rows, md, seeds,
+               gpu_prompt: Sequence[PromptJob]) -> tuple[dict[str, int], Optional[SamplerInputs]]:
+        """Pack this step's inputs into the pinned buffer, one async upload -> (name: device
+        pointer, the sampled rows' SamplerInputs or None without rows)."""
         B = len(rows)
         arrays: dict[str, np.ndarray] = {}
+        inp = None
         if B:
             inp = SamplerInputs.from_metadata(md)
-            self._staged_inputs = inp
             steps = [len(t) for t in md.output_token_ids]
             seeds = list(seeds) if len(seeds) else [None] * B
             arrays.update(rows=np.asarray(rows, np.int32), temp=inp.temperature, top_k=inp.top_k, top_p=inp.top_p,
@@ -292,7 +292,7 @@ class GpuSampler:
         for name, a in arrays.items():
             buf[offs[name]: offs[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         self.ctx.upload(ib.dev, buf[:nbytes], sync=False)
-        return {name: ib.dev + off for name, off in offs.items()}
+        return {name: ib.dev + off for name, off in offs.items()}, inp
 
     def _prompt_on_host(self, j: PromptJob) -> LogprobsTensors:
         """Prompt logprobs with more top entries than the kernel's: download the job's rows

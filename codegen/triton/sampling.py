@@ -42,7 +42,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, launch,
                                         next_pow2, shape_of, strides_of)
-from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch
+from kiln.runtime.sample_phases import HIST_PASSES, PHASE_TOKEN, sample_phases, sample_scratch
 
 NEG_INF = tl.constexpr(float("-inf"))
 # Launch config of the bundle's row kernels (processors, logprobs, copy_rows): one program per
@@ -231,6 +231,8 @@ def _unradix(prefix):
     return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
+TOKEN = tl.constexpr(PHASE_TOKEN)  # sample_kernel's last phase (runtime/sample_phases.py)
+HIST_ROW = tl.constexpr(HIST_PASSES * 256)  # i64 histogram entries per sampled row
 MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40: masses (a token's exp(z - zmax) <= 1) in fixed point
 
 
@@ -251,7 +253,7 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
     b, j = tl.program_id(0), tl.program_id(1)
     NP: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     base = logits_ptr + tl.load(row_idx_ptr + b).to(tl.int64) * stride
-    hist_row = hist_ptr + b.to(tl.int64) * 12 * 256
+    hist_row = hist_ptr + b.to(tl.int64) * HIST_ROW
     cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
     if phase == 0:  # this program's (max, first index)
         m, i = _first_max(_load_row(base, cols, V), cols, V)
@@ -261,13 +263,13 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
     xmax, argmax = _split_max(val_ptr, idx_ptr, b, V, NP, NP_PAD)
     temp = tl.load(temp_ptr + b)
     random = (temp > 0) & (xmax > NEG_INF)
-    if phase == 14:  # (grid (B, 1)) the row's token; the histograms back to zero
+    if phase == TOKEN:  # (grid (B, 1)) the row's token; the histograms back to zero
         tok = argmax
         if random:
             m, i = _split_max(val_ptr + NP_PAD, idx_ptr + NP_PAD, b, V, NP, NP_PAD)
             tok = tl.where(m >= 0.0, i, argmax)  # nothing kept (cannot happen: the top token stays)
         tl.store(out_ptr + b, tl.where(xmax > NEG_INF, tok, 0))
-        for p in tl.static_range(12):
+        for p in tl.static_range(HIST_ROW // 256):
             tl.store(hist_row + p * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int64))
         return
     if random:
