@@ -240,15 +240,15 @@ MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40: masses (a token's exp(z - zmax
 def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr,
                   masked_ptr, val_ptr, idx_ptr, hist_ptr, stride, phase,
                   V: tl.constexpr, BLOCK_V: tl.constexpr, NP_PAD: tl.constexpr, WRITE_MASKED: tl.constexpr):
-    # The phases: runtime/sample_phases.py. grid: (B, NP = cdiv(V, BLOCK_V)), phase 14: (B, 1).
-    # logits: f32[*, V] processed; temp[b]
-    # 0: greedy; top_k[b] V: off; top_p[b] 1: off; seed: i64[B] Philox key of this row this
-    # step; out: i32[B]. Program (b, j) owns tokens [j BLOCK_V, (j + 1) BLOCK_V) of row b.
-    # Scratch: val f32 / idx i32 [B, 2, NP_PAD]
-    # partial (max, index) of phase 0 and 13; hist i64[B, 12, 256], zero when phase 1 starts
-    # and when phase 14 ends: the top-k counts (passes 0-3) and the top-p masses (4-11),
-    # added with integer atomics: exact, so neither the programs' order nor the batch changes a
-    # row's numbers (each program's own sums depend only on its tokens and the launch config).
+    # One launch per phase (runtime/sample_phases.py); grid (B, NP = cdiv(V, BLOCK_V)), the
+    # last phase (B, 1). Program (b, j) owns tokens [j BLOCK_V, (j + 1) BLOCK_V) of row b.
+    # logits: f32[*, V] processed; temp[b] 0: greedy; top_k[b] V: off; top_p[b] 1: off;
+    # seed: i64[B] Philox key of this row this step; out: i32[B].
+    # Scratch: val f32 / idx i32 [B, 2, NP_PAD], the programs' (max, index) of phases 0 and 13;
+    # hist i64[B, 12, 256], zero when phase 1 starts and when the last phase ends: the top-k
+    # counts (passes 0-3) and the top-p masses (4-11), added with integer atomics: exact, so
+    # neither the programs' order nor the batch changes a row's numbers (each program's own
+    # sums depend only on its tokens and the launch config).
     # WRITE_MASKED (tests): masked[b] = z after min_p / top-k / top-p, -inf where cut.
     b, j = tl.program_id(0), tl.program_id(1)
     NP: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
