@@ -426,7 +426,7 @@ _KERNELS = {"processors": "logits_processors_kernel", "sample": "sample_kernel",
             "copy_rows": "copy_rows_kernel", "feed": "feed_tokens_kernel"}
 
 
-def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseConfig = DEFAULT_CONFIG,
+def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseConfig | None = None,
                   write_masked: bool = False) -> KernelSpec:
     """The launch of one sampling kernel over `rows` rows of a vocabulary of `vocab`.
     The grid is the row count of a step: a bundle records the spec once, the runtime
@@ -436,13 +436,14 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
         return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs={}, grid=(rows,),
                           num_warps=1, num_stages=1, divisible=("src_ptr", "src_idx_ptr", "dst_idx_ptr"))
     if role == "sample":  # one program per BLOCK_V tokens of a row: its own launch config
-        config = config if config is not DEFAULT_CONFIG else SAMPLE_CONFIG
+        config = config or SAMPLE_CONFIG
         np_ = -(-vocab // config.block)
         return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig,
                           constexprs=dict(V=vocab, BLOCK_V=config.block, NP_PAD=next_pow2(np_),
                                           WRITE_MASKED=write_masked),
                           grid=(rows, np_), num_warps=config.num_warps, num_stages=1,
                           divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
+    config = config or DEFAULT_CONFIG
     const = dict(V=vocab, BLOCK_V=config.block)
     if role == "processors":
         const.update(BLOCK_E=BLOCK_E, INTERPRET=False)  # launch() sets INTERPRET under the interpreter
@@ -451,8 +452,9 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
                       divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
 
 
-def sampler_specs(vocab: int, config: ElementwiseConfig = DEFAULT_CONFIG) -> dict[str, KernelSpec]:
-    """role -> spec: what compile_bundle compiles for a model's vocabulary."""
+def sampler_specs(vocab: int, config: ElementwiseConfig | None = None) -> dict[str, KernelSpec]:
+    """role -> spec: what compile_bundle compiles for a model's vocabulary (config None: each
+    role's own default, SAMPLE_CONFIG for the sample kernel, DEFAULT_CONFIG for the others)."""
     return {role: sampling_spec(role, vocab, config=config) for role in SIGNATURES}
 
 
@@ -496,7 +498,7 @@ def apply_logits_processors(logits, row_idx, start, tok, bias, count, mode, rep,
 
 
 def sample(logits, row_idx, temperature, top_k, top_p, min_p, seeds, *, masked=None,
-           config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:
+           config: ElementwiseConfig | None = None) -> np.ndarray:
     """-> i32[B]: the token of each row; masked (f32[B, V], optional): the kept z values.
     Launches sample_kernel's phases (sample_phases) one after the other over a zeroed scratch."""
     logits = _logits(logits)
