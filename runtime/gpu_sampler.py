@@ -303,7 +303,7 @@ class GpuSampler:
 
     def _reserve_sample(self, rows: int) -> tuple[int, int, int]:
         """-> (val, idx, hist) device pointers of the sample kernel's scratch for `rows` rows.
-        A new allocation starts zeroed (on the stream); every step's last phase leaves hist so."""
+        (Phase 0 clears the histograms a step uses, so the allocation needs no zeroing.)"""
         if rows > self._scratch_rows:
             if self._scratch:
                 self.ctx.synchronize()  # the stream's earlier phases may still use the old one
@@ -311,7 +311,6 @@ class GpuSampler:
             self._scratch_rows = max(rows, 2 * self._scratch_rows)
             nbytes = sample_scratch(self._scratch_rows, self._sample_pad)[2]
             self._scratch = self.ctx.malloc(nbytes)
-            self.ctx.memset(self._scratch, nbytes)
         o_idx, o_hist, _ = sample_scratch(self._scratch_rows, self._sample_pad)
         return self._scratch, self._scratch + o_idx, self._scratch + o_hist
 

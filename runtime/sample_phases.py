@@ -4,11 +4,11 @@ kernel's own wrapper (the interpreter tests) both follow this.
 
 A row is split over P programs (BLOCK_V tokens each); one launch per phase, (rows, P)
 programs, the last one (rows, 1):
-  0       each program's (max, first index)
+  0       each program's (max, first index); the row's histograms cleared
   1-4     top-k: a radix select, 8 bits a pass, counts added into hist[row, pass]
   5-12    top-p: a radix search, 4 bits a pass, fixed-point masses into hist[row, 4 + pass]
   13      the exponential race over the kept tokens: each program's best
-  14      the row's token; hist back to zero
+  14      the row's token
 """
 from __future__ import annotations
 
@@ -30,6 +30,6 @@ def sample_phases(temperature, top_k, top_p, vocab: int) -> list[int]:
 def sample_scratch(rows: int, np_pad: int) -> tuple[int, int, int]:
     """-> (idx offset, hist offset, total bytes) of the scratch for `rows` rows, val at 0:
     val f32 and idx i32 [rows, 2, np_pad] (phase 0's and 13's partials), hist i64
-    [rows, 12, 256], which must be zero when a step starts (phase 14 leaves it so)."""
+    [rows, 12, 256] (phase 0 clears a step's rows)."""
     part = 4 * rows * 2 * np_pad
     return part, 2 * part, 2 * part + 8 * rows * HIST_PASSES * 256

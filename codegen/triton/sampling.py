@@ -245,7 +245,7 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
     # logits: f32[*, V] processed; temp[b] 0: greedy; top_k[b] V: off; top_p[b] 1: off;
     # seed: i64[B] Philox key of this row this step; out: i32[B].
     # Scratch: val f32 / idx i32 [B, 2, NP_PAD], the programs' (max, index) of phases 0 and 13;
-    # hist i64[B, 12, 256], zero when phase 1 starts and when the last phase ends: the top-k
+    # hist i64[B, 12, 256], cleared in phase 0 (so a step never inherits a failed one's): the top-k
     # counts (passes 0-3) and the top-p masses (4-11), added with integer atomics: exact, so
     # neither the programs' order nor the batch changes a row's numbers (each program's own
     # sums depend only on its tokens and the launch config).
@@ -255,7 +255,10 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
     base = logits_ptr + tl.load(row_idx_ptr + b).to(tl.int64) * stride
     hist_row = hist_ptr + b.to(tl.int64) * HIST_ROW
     cols = j * BLOCK_V + tl.arange(0, BLOCK_V)
-    if phase == 0:  # this program's (max, first index)
+    if phase == 0:  # this program's (max, first index); program 0 clears the row's histograms
+        if j == 0:
+            for p in tl.static_range(HIST_ROW // 256):
+                tl.store(hist_row + p * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int64))
         m, i = _first_max(_load_row(base, cols, V), cols, V)
         tl.store(val_ptr + b * 2 * NP_PAD + j, m)
         tl.store(idx_ptr + b * 2 * NP_PAD + j, tl.where(m > NEG_INF, i, j * BLOCK_V))
@@ -263,14 +266,12 @@ def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p
     xmax, argmax = _split_max(val_ptr, idx_ptr, b, V, NP, NP_PAD)
     temp = tl.load(temp_ptr + b)
     random = (temp > 0) & (xmax > NEG_INF)
-    if phase == TOKEN:  # (grid (B, 1)) the row's token; the histograms back to zero
+    if phase == TOKEN:  # (grid (B, 1)) the row's token
         tok = argmax
         if random:
             m, i = _split_max(val_ptr + NP_PAD, idx_ptr + NP_PAD, b, V, NP, NP_PAD)
             tok = tl.where(m >= 0.0, i, argmax)  # nothing kept (cannot happen: the top token stays)
         tl.store(out_ptr + b, tl.where(xmax > NEG_INF, tok, 0))
-        for p in tl.static_range(HIST_ROW // 256):
-            tl.store(hist_row + p * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int64))
         return
     if random:
         zmax = tl.math.div_rn(xmax, temp)  # division rounds monotonically: max(x / T) = max(x) / T
@@ -509,7 +510,7 @@ def sample(logits, row_idx, temperature, top_k, top_p, min_p, seeds, *, masked=N
     masked = as_buf(masked) if write else out  # never written when WRITE_MASKED is off
     spec = sampling_spec("sample", v, n, config=config, write_masked=write)
     o_idx, o_hist, nbytes = sample_scratch(n, spec.constexprs["NP_PAD"])
-    scratch = np.zeros(nbytes, np.uint8)
+    scratch = np.full(nbytes, 0xFF, np.uint8)  # garbage: phase 0 clears what the passes add into
     val, idx, hist = (as_buf(scratch[a:b].view(dt)) for a, b, dt in
                       ((0, o_idx, np.float32), (o_idx, o_hist, np.int32), (o_hist, nbytes, np.int64)))
     args = [logits, _i32(row_idx), _f32(temperature), _i32(top_k), _f32(top_p), _f32(min_p),
