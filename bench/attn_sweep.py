@@ -14,7 +14,7 @@ one's of the same tile and seg: they must give the same bits (rows per program, 
 stages only group rows). Unlike the tuner, this sweeps tile and seg too (they change the
 sums: a model's choice, never a bucket's).
 
-A config is `tile,seg,block_q,warps,stages`; for prefill cases block_q/warps/stages are the
+A config is `tile,seg,block_q,warps,stages[,maxnreg]`; for prefill cases block_q/warps/stages are the
 prefill ones. --split: decode split-KV as a bundle's plan has it (auto), or forced.
 --cache-dtype fp8: the KV cache of --kv-cache-dtype fp8. --module points the launch at another
 copy of the kernel (an A/B).
@@ -34,7 +34,7 @@ H, HKV, D, BS = 32, 8, 128, 16
 
 
 def parse(spec: str, decode: bool) -> AttentionConfig:
-    tile, seg, bq, warps, stages = (int(x) for x in spec.split(","))
+    tile, seg, bq, warps, stages = (int(x) for x in spec.split(",")[:5])
     if decode:
         return AttentionConfig(block_q=bq, tile=tile, seg=seg, num_warps=warps, num_stages=stages)
     return AttentionConfig(tile=tile, seg=seg, prefill_block_q=bq, prefill_num_warps=warps,
@@ -52,7 +52,19 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--configs", nargs="+", required=True, help="tile,seg,block_q,warps,stages ...")
     ap.add_argument("--json")
+    ap.add_argument("--hnd", action="store_true", help="timing only: read the cache as [NB, 2, Hkv, BS, D] "
+                    "(each KV head's block rows contiguous) through its strides; the outputs are not checked")
     a = ap.parse_args()
+    if a.hnd:
+        plain = L.strides_of
+
+        def hnd(x):
+            st = plain(x)
+            if len(st) != 5:
+                return st
+            _, _, bs, hkv, d = L.shape_of(x)
+            return (st[0], st[1], d, bs * d)  # block, K/V, position, head
+        L.strides_of = hnd
     if a.module:
         L.MODULE = a.module
     ctx = CudaContext()
@@ -67,6 +79,11 @@ def main() -> None:
         for spec in a.configs:
             cfg = parse(spec, case.decode)
             timed = rig.timed(cfg)
+            cap = spec.split(",")[5:]  # a sixth field: the attention kernel's register cap (maxnreg)
+            if cap:
+                for rep in timed.reps:
+                    rep[:] = [(dataclasses.replace(s, maxnreg=int(cap[0])) if s.kernel == "paged_attention_kernel"
+                               else s, a) for s, a in rep]
             bench.compile([s for s, _ in timed.reps[0]])
             if not all(bench.fits(s) for s, _ in timed.reps[0]):
                 print(f"{name:14s} {spec:18s} needs more shared memory than a block has", flush=True)

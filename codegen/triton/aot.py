@@ -65,7 +65,7 @@ def cache_key(spec: KernelSpec, arch: str) -> str:
     # model), so the key is memoised on the spec's fields (the grid is not part of it).
     return _cache_key(spec.module, spec.kernel, tuple(spec.signature.items()),
                       tuple((k, repr(v)) for k, v in spec.constexprs.items()), tuple(sorted(spec.divisible)),
-                      spec.num_warps, spec.num_stages, ARCHS[arch])
+                      spec.num_warps, spec.num_stages, ARCHS[arch], spec.maxnreg)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,13 +75,16 @@ def _source_sha256(module: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cache_key(module, kernel, sig, constexprs, div, warps, stages, arch) -> str:
+def _cache_key(module, kernel, sig, constexprs, div, warps, stages, arch, maxnreg=None) -> str:
     import triton
 
-    blob = json.dumps({
+    key = {
         "src": _source_sha256(module), "kernel": kernel, "sig": dict(sig), "constexprs": dict(constexprs),
         "div": list(div), "warps": warps, "stages": stages, "arch": arch, "triton": triton.__version__,
-    }, sort_keys=True)
+    }
+    if maxnreg is not None:  # (absent otherwise: uncapped kernels keep their keys)
+        key["maxnreg"] = maxnreg
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -125,7 +128,8 @@ def _compile_here(spec: KernelSpec, arch: str) -> Compiled:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible}
     src = ASTSource(fn, spec.full_signature(), dict(spec.constexprs), attrs)
     k = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
-                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                                **({"maxnreg": spec.maxnreg} if spec.maxnreg else {})})
     md = k.metadata
     n_params = _count_ptx_params(k.asm["ptx"], md.name)
     n_hidden = n_params - len(spec.signature)

@@ -191,6 +191,7 @@ class KernelSpec:
     num_stages: int = 2
     divisible: tuple[str, ...] = field(default=())  # AOT tt.divisibility=16 hints: 16-byte aligned
     # pointers, ints that are multiples of 16
+    maxnreg: int | None = None  # a register cap per thread (ptxas), for more programs per SM; None: none
 
     def full_signature(self) -> dict[str, str]:
         """Signature for ASTSource: every kernel parameter, constexprs typed "constexpr"."""
