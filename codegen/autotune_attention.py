@@ -4,16 +4,19 @@
 holds one case's device buffers and records the wrapper's launches for a config; a
 Bench (autotune.py) compiles them through the AOT path and times them under a CUDA graph.
 
-What the tuner sweeps: the schedule knobs only, configs.ATTENTION_DECODE_KNOBS for
-decode buckets and ATTENTION_PREFILL_KNOBS for prefill and mixed ones. tile and seg, the
-reduction knobs, keep the default's values (seg follows max_model_len). Rows per program,
-warps and stages only group rows (paged_attention.py), so every candidate must give the
-default's bits; Bench.best checks that it does. Decode is timed at the bundle's largest
-decode bucket with 1,500 keys per sequence plus batch 1 at 512 keys, each split or not as
-the bundle's plan is (lower.split_kv; split decode merges in the attention kernel, as in
-the plan), and their sum chooses; prefill at one prompt of
-2,048 tokens (or max_num_batched_tokens) in the mixed bucket that holds it. One entry per
-head shape (h, hkv, d), whatever max_model_len.
+What the tuner sweeps: the schedule knobs only, per kind of bucket (configs.AttentionConfig):
+ATTENTION_PREFILL_KNOBS for prefill and mixed buckets, and for decode buckets by size class
+(paged_attention_launch.decode_class) ATTENTION_DECODE_KNOBS (read whole), ATTENTION_SPLIT_KNOBS
+(split-KV) and ATTENTION_ONE_KNOBS (one sequence). tile and seg, the reduction knobs, keep the
+default's values (seg follows max_model_len). Rows per program, warps, stages and register caps
+only group rows (paged_attention.py), so every candidate must give the default's bits;
+Bench.best checks that it does. Each decode class is timed at one case, split or not as the
+bundle's plan is (lower.split_kv; split decode merges in the attention kernel, as in the plan):
+the bundle's largest decode bucket with 1,500 keys per sequence (when it is read whole), 32
+sequences (or that bucket, if smaller) at 1,500 keys, and batch 1 at 512 keys; a class with no
+case keeps the default's knobs. The split and one classes run with the decode winner's block_q
+(a second round). Prefill is timed at one prompt of 2,048 tokens (or max_num_batched_tokens) in
+the mixed bucket that holds it. One entry per head shape (h, hkv, d), whatever max_model_len.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from kiln.codegen.autotune import BF16, REPS, Bench, Timed, Trial, record
 from kiln.codegen.buckets import Bucket, pick_bucket
 from kiln.codegen.lower import split_kv
 from kiln.codegen.triton import paged_attention_launch as k_attn
-from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, AttentionConfig,
-                                         attention_cache_key)
+from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_ONE_KNOBS, ATTENTION_PREFILL_KNOBS,
+                                         ATTENTION_SPLIT_KNOBS, DEFAULT, AttentionConfig, attention_cache_key)
 from kiln.codegen.triton.launch import Buf, cdiv, next_pow2
 from kiln.graph import Graph, to_numpy
 from kiln.schedules import Schedules
@@ -78,18 +81,31 @@ def parse_case(name: str, split: bool | None = None) -> AttentionCase:
     raise ValueError(f"unknown attention case {name!r} (decode<S>[@<keys>] or prefill<N>)")
 
 
+SPLIT_CASE_SEQS = 32  # the split class's case: this many sequences (or the largest decode bucket)
+
+
 def attention_cases(buckets: list[Bucket], max_model_len: int, *, keys: tuple[int, int] = (1500, 512),
                     prompt: int = 2048) -> tuple[list[AttentionCase], AttentionCase]:
-    """-> (decode cases, prefill case) of a bundle: its largest decode bucket at keys[0] keys per
-    sequence, batch 1 at keys[1], and a prompt of `prompt` tokens (at most the largest mixed
-    bucket) in the mixed bucket that holds it."""
+    """-> (decode cases, prefill case) of a bundle: one decode case per size class it has
+    (decode_class_of): its largest decode bucket at keys[0] keys per sequence where that is read
+    whole, min(32, largest) sequences at keys[0] where that is split, batch 1 at keys[1]; and a
+    prompt of `prompt` tokens (at most the largest mixed bucket) in the mixed bucket that holds it."""
     top = max(b.seqs for b in buckets if b.decode)
-    decode = [decode_case(top, min(keys[0], max_model_len))]
+    k0, k1 = min(keys[0], max_model_len), min(keys[1], max_model_len)
+    cases = [decode_case(top, k0)]  # read whole, or (a small bundle) split, or one sequence
     if top > 1:
-        decode.append(decode_case(1, min(keys[1], max_model_len)))
+        cases += [decode_case(min(top, SPLIT_CASE_SEQS), k0), decode_case(1, k1)]
+    decode: list[AttentionCase] = []
+    for c in cases:  # the first case of each class
+        if decode_class_of(c) not in {decode_class_of(x) for x in decode}:
+            decode.append(c)
     mixed = [b for b in buckets if not b.decode]
     n = min(prompt, max(b.tokens for b in mixed), max_model_len)
     return decode, prefill_case(n, pick_bucket(mixed, n, 1, 1))
+
+
+def decode_class_of(case: AttentionCase) -> str:
+    return k_attn.decode_class(case.seqs, case.split)
 
 
 def attention_shapes(graph: Graph, block_size: int, max_model_len: int) -> list[AttentionShape]:
@@ -179,6 +195,20 @@ def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[A
     return _distinct(shape, [default] + grid, decode=True)
 
 
+def class_candidates(shape: AttentionShape, default: AttentionConfig, cls: str) -> list[AttentionConfig]:
+    """A split or one-sequence decode class: the default first (its knobs unset: the decode
+    ones), then warps x stages x register cap, each schedule once (block_q: the default's)."""
+    grid = [replace(default, **{f"{cls}_num_warps": w, f"{cls}_num_stages": s, f"{cls}_maxnreg": r})
+            for w in (2, 4) for s in (2, 3, 4) for r in (None, 168, 128)]
+    seen, out = set(), []
+    for c in [default] + grid:
+        key = k_attn.decode_launch(c, 1 if cls == "one" else 2, cls == "split")
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def prefill_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
     """The default first, then query positions per program x warps x stages. Over an e4m3 cache,
     only programs on the default's side of 64 rows: its f16 dots round differently on mma.sync
@@ -224,26 +254,43 @@ class AttentionTuner:
         default = DEFAULT.attention(sh.h, sh.hkv, sh.d, sh.max_model_len, sh.cache_dtype)
         cache = attention_cache_key(sh.cache_dtype)
         rigs: dict[AttentionCase, AttentionRig] = {}
+        by_class = {decode_class_of(c): c for c in decode}
 
         def timed(cfg: AttentionConfig, cases: list[AttentionCase]) -> list[Timed]:
             for case in cases:
                 if case not in rigs:
                     rigs[case] = AttentionRig(self.bench, sh, case)
             return [rigs[case].timed(cfg) for case in cases]
-        trials = []
-        for phase, cases, cands in (("decode", decode, decode_candidates(sh, default)),
-                                    ("prefill", [prefill], prefill_candidates(sh, default))):
-            trials += [Trial((sh.h, sh.hkv, sh.d, cache, phase), c, lambda c=c, cases=cases: timed(c, cases),
-                             baseline=i == 0) for i, c in enumerate(cands)]
+
+        def trials(rounds) -> list[Trial]:
+            return [Trial((sh.h, sh.hkv, sh.d, cache, phase), c, lambda c=c, cases=cases: timed(c, cases),
+                          baseline=i == 0) for phase, cases, cands in rounds for i, c in enumerate(cands)]
+        # round 1: decode buckets read whole (block_q, warps, stages) and prefill
+        first = [("prefill", [prefill], prefill_candidates(sh, default))]
+        if "decode" in by_class:
+            first.insert(0, ("decode", [by_class["decode"]], decode_candidates(sh, default)))
+        # round 2: the split and one-sequence classes from round 1's decode winner (its block_q;
+        # its warps and stages where a class's knobs stay unset)
+        second = lambda base: [(cls, [by_class[cls]], class_candidates(sh, base, cls))  # noqa: E731
+                               for cls in ("split", "one") if cls in by_class]
+        n = sum(len(c) for _, _, c in first + second(default))
         self.progress(f"paged_attention [{sh.h}, {sh.hkv}, {sh.d}]{f' ({cache} cache)' if cache else ''}: "
-                      f"{len(trials)} schedules over "
+                      f"{n} schedules over "
                       f"{', '.join(c.name for c in decode + [prefill])} (tile {default.tile}, seg {default.seg})")
-        won = self.bench.best(trials)
+        won = self.bench.best(trials(first))
+        group = lambda phase: (sh.h, sh.hkv, sh.d, cache, phase)  # noqa: E731
+        base = won[group("decode")].cand if "decode" in by_class else default
+        won.update(self.bench.best(trials(second(base))))
         entry = {"h": sh.h, "hkv": sh.hkv, "d": sh.d, **({"cache": cache} if cache else {})}
         for phase, knobs, timing in (("decode", ATTENTION_DECODE_KNOBS, "us"),
+                                     ("split", ATTENTION_SPLIT_KNOBS, "split_us"),
+                                     ("one", ATTENTION_ONE_KNOBS, "one_us"),
                                      ("prefill", ATTENTION_PREFILL_KNOBS, "prefill_us")):
-            w = won[(sh.h, sh.hkv, sh.d, cache, phase)]
-            entry.update({k: getattr(w.cand, k) for k in knobs})
+            w = won.get(group(phase))
+            cand = w.cand if w is not None else base if phase == "decode" else default  # no case: defaults
+            entry.update({k: getattr(cand, k) for k in knobs if getattr(cand, k) is not None})  # unset: omitted
+            if w is None:
+                continue
             entry[timing] = round(w.us, 2)
             was = f" (default {w.baseline_us:.1f} us)" if w.baseline_us is not None else ""
             self.progress(f"  {phase}: " + ", ".join(f"{k} {getattr(w.cand, k)}" for k in knobs)

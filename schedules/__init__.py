@@ -8,8 +8,10 @@
       - {m: 1, n: 6144, k: 4096, block_m: 16, block_n: 32, num_warps: 4, num_stages: 5, us: 9.8}
     schedules/sm_90/attention.yaml
       paged_attention:                 # per head shape: schedule knobs only (tile, seg stay the defaults)
-      - {h: 32, hkv: 8, d: 128, block_q: 4, num_warps: 2, num_stages: 3, prefill_block_q: 16,
-         prefill_num_warps: 4, prefill_num_stages: 2, us: 420.0, prefill_us: 180.0}
+      - {h: 32, hkv: 8, d: 128, block_q: 4, num_warps: 2, num_stages: 3, split_num_warps: 2,
+         split_num_stages: 4, split_maxnreg: 168, one_num_warps: 4, one_num_stages: 2,
+         prefill_block_q: 16, prefill_num_warps: 4, prefill_num_stages: 2, us: 420.0, split_us: 80.0,
+         one_us: 7.0, prefill_us: 180.0}
     schedules/sm_90/rows.yaml
       rms_norm:                        # per row width; the op names are Configs.row/elementwise's
       - {width: 4096, num_warps: 8, us: 30.1}
@@ -44,7 +46,7 @@ class ScheduleError(ValueError):
 # ops not named here (row and elementwise kernels) are keyed by their row width
 KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d", "cache")}
 ROW_KEY = ("width",)
-TIMINGS = {"us", "prefill_us"}
+TIMINGS = {"us", "prefill_us", "split_us", "one_us"}
 NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "cache", "width"} | TIMINGS
 # op -> the file (family) its entries are written to; other ops: "rows"
 FAMILY = {"gemm_reduction": "gemm", "gemm_tile": "gemm", "paged_attention": "attention"}

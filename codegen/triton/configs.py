@@ -75,11 +75,27 @@ class AttentionConfig:
     prefill_block_q: int = 16
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
+    # Decode buckets by size class (paged_attention_launch.decode_class): the knobs above serve
+    # those read whole (more than lower.SPLIT_KV_MAX_SEQS sequences); `split_*` the split-KV ones
+    # of 2 or more sequences, `one_*` a single sequence (batch-1 latency: a few dozen programs).
+    # None: the decode knob above; block_q serves all three. maxnreg caps a thread's registers
+    # (ptxas) so that more programs share an SM. H200, Llama-8B heads, bf16 cache
+    # (bench/attn_sweep.py): one sequence at 512 keys 7.6 us with 2 warps, 6.8 with 4; 32
+    # sequences at 1,500 keys 88.1 us uncapped, 79.0 at 168 registers; 128 sequences (read
+    # whole) 184.0 uncapped, 219.2 at 168.
+    split_num_warps: int | None = None
+    split_num_stages: int | None = None
+    split_maxnreg: int | None = None
+    one_num_warps: int | None = None
+    one_num_stages: int | None = None
+    one_maxnreg: int | None = None
 
 
 # AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these
 # and nothing else: tile and seg are its reduction knobs)
 ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages")
+ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg")
+ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg")
 ATTENTION_PREFILL_KNOBS = ("prefill_block_q", "prefill_num_warps", "prefill_num_stages")
 
 

@@ -36,6 +36,21 @@ def attention_block_q(h: int, hkv: int, config: AttentionConfig, decode: bool = 
     return max(next_pow2(bq), cdiv(16, next_pow2(h // hkv)))
 
 
+def decode_class(num_seqs: int, split: bool) -> str:
+    """A decode bucket's size class, whose knobs launch it (AttentionConfig): "one" sequence,
+    "split" (split-KV, 2 or more sequences) or "decode" (read whole)."""
+    return "one" if num_seqs == 1 else "split" if split else "decode"
+
+
+def decode_launch(config: AttentionConfig, num_seqs: int, split: bool) -> tuple[int, int, int | None]:
+    """-> (warps, stages, maxnreg) of a decode bucket: its class's knobs, the decode ones where unset."""
+    cls = decode_class(num_seqs, split)
+    if cls == "decode":
+        return config.num_warps, config.num_stages, None
+    warps, stages, cap = (getattr(config, f"{cls}_{k}") for k in ("num_warps", "num_stages", "maxnreg"))
+    return warps or config.num_warps, stages or config.num_stages, cap
+
+
 def merges_in_kernel(split: bool, decode: bool, fuse_merge: bool = True) -> bool:
     """Whether the attention kernel merges its split-KV segments itself (no merge launch)."""
     return split and decode and fuse_merge
@@ -46,7 +61,8 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
                           config: AttentionConfig, decode: bool = False,
                           cache_dtype: str | None = None, fuse_merge: bool = True) -> list[KernelSpec]:
     """decode: every sequence has exactly one query (t == num_seqs), so program s serves
-    sequence s; the rows per program, warps and stages are the config's decode ones.
+    sequence s; the rows per program are the config's block_q, the warps, stages and register
+    cap its bucket's size class's (decode_launch).
     fuse_merge: a split decode merges in the attention kernel (merges_in_kernel); False keeps
     the merge launch."""
     check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
@@ -57,8 +73,8 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
     bq = attention_block_q(h, hkv, config, decode)
     fused = merges_in_kernel(split, decode, fuse_merge)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
-    warps, stages = ((config.num_warps, config.num_stages) if decode
-                     else (config.prefill_num_warps, config.prefill_num_stages))
+    warps, stages, maxnreg = (decode_launch(config, num_seqs, split) if decode
+                              else (config.prefill_num_warps, config.prefill_num_stages, None))
     p, o = sig_type(dtype), sig_type(out_dtype or dtype)
     i32 = lambda *names: {n: "i32" for n in names}
     main = KernelSpec(
@@ -72,7 +88,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
                         TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
                         INTERPRET=False, MERGE=fused),
         grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, maxnreg=maxnreg,
         divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))
     if not split or fused:
         return [main]

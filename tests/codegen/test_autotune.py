@@ -13,14 +13,14 @@ from kiln.codegen.autotune import (PREFILL_TILES, DryBench, GemmTuner, Timed, Tr
                                    reductions, tiles)
 from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
                                               attention_shapes, decode_candidates, decode_case, parse_case,
-                                              prefill_candidates)
+                                              prefill_candidates, class_candidates, decode_class_of)
 from kiln.codegen.autotune_rows import ROW_OPS, RowTuner, candidates
 from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
 from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
 from kiln.codegen.triton.launch import cdiv
-from kiln.codegen.triton.paged_attention_launch import attention_block_q
+from kiln.codegen.triton.paged_attention_launch import attention_block_q, decode_launch
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -184,6 +184,24 @@ def test_attention_candidates_touch_only_schedule_knobs(h, hkv, d, max_model_len
         assert len(effective) == len(cands)  # no schedule timed twice
 
 
+@pytest.mark.parametrize("cls", ["split", "one"])
+def test_decode_class_candidates_touch_only_their_class_knobs(cls):
+    shape = AttentionShape(32, 8, 128, 16, 4096)
+    default = DEFAULT.attention(32, 8, 128, 4096)
+    cands = class_candidates(shape, default, cls)
+    assert cands[0] == default and len(cands) > 4
+    seqs, split = (1, True) if cls == "one" else (32, True)
+    launches = [decode_launch(c, seqs, split) for c in cands]
+    assert len(set(launches)) == len(cands)  # no schedule timed twice
+    for c in cands:
+        assert {f for f, v in dataclasses.asdict(c).items() if v != getattr(default, f)} <= {
+            f"{cls}_num_warps", f"{cls}_num_stages", f"{cls}_maxnreg"}
+        # the other classes launch as the default does
+        assert decode_launch(c, 256, False) == decode_launch(default, 256, False)
+        other = (32, True) if cls == "one" else (1, True)
+        assert decode_launch(c, *other) == decode_launch(default, *other)
+
+
 def test_e4m3_prefill_candidates_keep_the_defaults_instruction():
     """Over an e4m3 cache, 32-row prefill programs (mma.sync) give other bits than the default's
     64 (wgmma): the H200 tuner refused them as a kernel bug. The sweep leaves them out there, and
@@ -200,22 +218,34 @@ def test_e4m3_prefill_candidates_keep_the_defaults_instruction():
 
 
 def test_attention_cases_follow_the_bundle():
+    """One decode case per size class the bundle has: read whole, split, one sequence."""
     decode, prefill = attention_cases(make_buckets(256, 2048), 131072)
     assert [(c.name, c.tokens, c.seqs, c.split) for c in decode] == [("decode256@1500", 256, 256, False),
+                                                                    ("decode32@1500", 32, 32, True),
                                                                     ("decode1@512", 1, 1, True)]
+    assert [decode_class_of(c) for c in decode] == ["decode", "split", "one"]
     assert (prefill.lens, prefill.tokens, prefill.seqs, prefill.decode) == ((2048,), 2048, 256, False)
     decode, prefill = attention_cases(make_buckets(8, 512), 1024)  # a small bundle: its own limits
-    assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 8), (512, 1)] and prefill.lens == (512,)
+    assert [(c.lens[0], c.seqs, decode_class_of(c)) for c in decode] == [(1024, 8, "split"), (512, 1, "one")]
+    assert prefill.lens == (512,)
+    decode, _ = attention_cases(make_buckets(1, 512), 1024)  # batch 1 only
+    assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 1)]
     assert parse_case("decode4") == decode_case(4, 1500) and parse_case("prefill300").tokens == 300
 
 
 def _attention_time(timed):
-    """Decode: 4 warps and 3 stages are fastest, then fewer rows; prefill: 32 positions, 8 warps."""
+    """Decode read whole: 4 warps and 3 stages are fastest, then fewer rows; split decode: 2 warps,
+    4 stages, a cap of 128 registers; one sequence: 4 warps, 2 stages, no cap; prefill: 32
+    positions, 8 warps."""
     us = 0.0
     for s in specs_of(timed):
         c = s.constexprs
-        if s.kernel == "paged_attention_kernel" and c["DECODE"]:
-            us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100
+        if s.kernel == "paged_attention_kernel" and c["DECODE"] and s.grid[0] == 1:
+            us += 10 - (s.num_warps == 4) - (s.num_stages == 2) - (s.maxnreg is None)
+        elif s.kernel == "paged_attention_kernel" and c["DECODE"] and c["SPLIT"]:
+            us += 10 - (s.num_warps == 2) - (s.num_stages == 4) - (s.maxnreg == 128)
+        elif s.kernel == "paged_attention_kernel" and c["DECODE"]:
+            us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100 + (s.maxnreg or 0)
         elif s.kernel == "paged_attention_kernel":
             us += 10 - (c["BLOCK_Q"] == 32) - (s.num_warps == 8) + s.num_stages / 100
         else:
@@ -234,12 +264,19 @@ def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
     (entry,) = sched.entries["paged_attention"]
     bq0 = attention_block_q(4, 2, dataclasses.replace(DEFAULT.attention(4, 2, 16, 512), block_q=1), decode=True)
     assert entry.pop("us") > 0 and entry.pop("prefill_us") > 0
+    assert entry.pop("split_us") > 0 and entry.pop("one_us") > 0
     assert entry == {"h": 4, "hkv": 2, "d": 16, "block_q": bq0, "num_warps": 4, "num_stages": 3,
+                     "split_num_warps": 2, "split_num_stages": 4, "split_maxnreg": 128,
+                     "one_num_warps": 4, "one_num_stages": 2,
                      "prefill_block_q": 32, "prefill_num_warps": 8, "prefill_num_stages": 2}
-    # every decode candidate was timed at both decode cases, split as the plan splits them
+    # each decode class was timed at its own case, split as the plan splits it
     seen = {(s.constexprs["DECODE"], s.constexprs["SPLIT"], s.grid[0]) for t in bench.timed for s in specs_of(t)
             if s.kernel == "paged_attention_kernel"}
-    assert {(True, False, 128), (True, True, 1)} <= seen and {x for x in seen if not x[0]}
+    assert {(True, False, 128), (True, True, 32), (True, True, 1)} <= seen and {x for x in seen if not x[0]}
+    # the winner, read back through Configs, launches each class as timed
+    got = Configs(lookup=sched.lookup).attention(4, 2, 16, 512)
+    assert decode_launch(got, 128, False) == (4, 3, None)
+    assert decode_launch(got, 32, True) == (2, 4, 128) and decode_launch(got, 1, True) == (4, 2, None)
     assert not bench.mismatches
 
 
@@ -252,8 +289,10 @@ def test_an_attention_schedule_that_changes_the_bits_is_reported_not_chosen():
     bench = FakeBench(_attention_time, bits_fn=bits)
     sched = AttentionTuner(bench).tune(attention_shapes(graph, 16, 512), decode, prefill)
     (entry,) = sched.entries["paged_attention"]
-    assert entry["num_warps"] == 2 and entry["prefill_num_warps"] == 8  # the fastest with the default's bits
-    assert bench.mismatches and {(g[-1], c.num_warps) for g, c in bench.mismatches} == {("decode", 4)}
+    assert entry["split_num_warps"] == 2 and entry["prefill_num_warps"] == 8  # the fastest with the default's bits
+    assert "one_num_warps" not in entry  # one sequence: every 4-warp schedule differed, the default won
+    assert bench.mismatches and {(g[-1], c.one_num_warps or c.split_num_warps)
+                                 for g, c in bench.mismatches} == {("split", 4), ("one", 4)}
 
 
 @pytest.mark.parametrize("kv", [None, DType.fp8e4m3])

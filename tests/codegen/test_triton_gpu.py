@@ -175,6 +175,15 @@ def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
     dec = attention(np.ascontiguousarray(q[many]), cache, np.repeat(bt[1:2], 5, 0), np.repeat(sl[1:2], 5),
                     np.arange(6, dtype=np.int32), True, cfg, True)
     assert all(same_bits(dec[i], full[last]) for i in range(5)), "a batched decode differs from prefill"
+    # the decode size classes' knobs (one sequence; split buckets, register cap included) group rows too
+    cls = dataclasses.replace(cfg, one_num_warps=4, one_num_stages=2, one_maxnreg=128, split_num_warps=2,
+                              split_num_stages=4, split_maxnreg=168)
+    one = attention(np.ascontiguousarray(q[last:last + 1]), cache, bt[1:2], sl[1:2], np.array([0, 1], np.int32),
+                    True, cls, True)
+    dec = attention(np.ascontiguousarray(q[many]), cache, np.repeat(bt[1:2], 5, 0), np.repeat(sl[1:2], 5),
+                    np.arange(6, dtype=np.int32), True, cls, True)
+    assert same_bits(one[0], full[last]) and all(same_bits(dec[i], full[last]) for i in range(5)), \
+        "a decode size class's knobs changed the bits"
     chunk = attention(np.ascontiguousarray(q[qsl[1] + 300:qsl[2]]), cache, bt[1:2], sl[1:2],
                       np.array([0, n - 300], np.int32), False, cfg)
     assert same_bits(chunk, full[qsl[1] + 300:qsl[2]]), "chunked prefill differs"

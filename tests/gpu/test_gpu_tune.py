@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from kiln.codegen.autotune import Bench, GemmProblem, GemmTuner
-from kiln.codegen.autotune_attention import AttentionRig, attention_cases, attention_shapes
+from kiln.codegen.autotune_attention import AttentionRig, attention_cases, attention_shapes, decode_class_of
 from kiln.codegen.autotune_rows import ROW_OPS, RowTuner
 from kiln.codegen.buckets import make_buckets
-from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
+from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_ONE_KNOBS, ATTENTION_PREFILL_KNOBS,
+                                         ATTENTION_SPLIT_KNOBS, DEFAULT, Configs)
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -64,7 +65,14 @@ def test_tune_writes_attention_and_row_winners(tuned):
     sched, folder = tuned
     assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "rows.yaml"]
     (entry,) = sched.entries["paged_attention"]
-    assert set(entry) == {"h", "hkv", "d", "us", "prefill_us", *ATTENTION_DECODE_KNOBS, *ATTENTION_PREFILL_KNOBS}
+    # each decode size class the bundle has gets its timing; a class's knobs left unset (its
+    # default won: the decode knobs serve it) are not written
+    classes = {"decode": "us", "split": "split_us", "one": "one_us"}
+    timings = {classes[decode_class_of(c)] for c in attention_cases(make_buckets(SEQS, TOKENS), MAX_LEN)[0]}
+    assert timings | {"prefill_us"} <= set(entry) and not (set(classes.values()) - timings) & set(entry)
+    assert {"h", "hkv", "d", *ATTENTION_DECODE_KNOBS, *ATTENTION_PREFILL_KNOBS} <= set(entry)
+    assert set(entry) <= {"h", "hkv", "d", "prefill_us", *classes.values(), *ATTENTION_DECODE_KNOBS,
+                          *ATTENTION_SPLIT_KNOBS, *ATTENTION_ONE_KNOBS, *ATTENTION_PREFILL_KNOBS}
     # every row op the plans launch: the SwiGLU epilogue (passes/fuse_gate_up_silu.py) leaves this
     # Llama no silu_mul launch, so nothing of it to tune
     assert "silu_mul" not in {n.op for n in _graph().nodes.values()}
