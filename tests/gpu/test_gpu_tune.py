@@ -77,7 +77,8 @@ def test_tune_writes_attention_and_row_winners(tuned):
     # Llama no silu_mul launch, so nothing of it to tune
     assert "silu_mul" not in {n.op for n in _graph().nodes.values()}
     assert {op for op in sched.entries if op != "paged_attention"} == set(ROW_OPS) - {"silu_mul"}
-    assert all(e["us"] > 0 for items in sched.entries.values() for e in items)
+    timed = [[v for k, v in e.items() if k.endswith("us")] for items in sched.entries.values() for e in items]
+    assert all(t and min(t) > 0 for t in timed)  # (a bundle of 16 sequences has no decode bucket read whole: no "us")
 
 
 def test_the_attention_winner_gives_the_default_bits(tuned, bench):
