@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kiln.codegen.triton.launch import KernelSpec, interpreting, kernel_fn
+from kiln.codegen.triton.pdl import STEP_INPUT_MARK
 
 ARCHS = {"sm_90": 90, "sm_90a": 90, "sm_121": 121, "sm_121a": 121}
 
@@ -154,6 +155,11 @@ _SAFE_BEFORE_WAIT = ("ld.param", "ld.shared", "st.shared", "ld.local", "st.local
                      "cp.async.bulk.prefetch")
 
 
+# pdl.pdl_step_input: a scalar load of the step inputs (uploaded before the step, written by no
+# kernel), marked so that it alone may stand before the wait
+_STEP_INPUT_LOAD = re.compile(r"//\s*" + re.escape(STEP_INPUT_MARK) + r"[ \t]*\n\s*ld\.global\.b32\s+%r\d+,\s*\[%rd\d+\];")
+
+
 def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
     """A kernel compiled for programmatic dependent launch must wait for the kernel before it
     (griddepcontrol.wait) before it touches memory that kernel may still be writing or
@@ -164,7 +170,8 @@ def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
     cut = body.find("griddepcontrol.wait")
     if cut < 0:
         raise RuntimeError(f"{kernel}: compiled with PDL=True but its PTX has no griddepcontrol.wait")
-    early = [op.group(1) for op in _MEM_OP.finditer(body[:cut]) if not op.group(1).startswith(_SAFE_BEFORE_WAIT)]
+    head = _STEP_INPUT_LOAD.sub("", body[:cut])  # pdl_step_input's marked loads of the step inputs
+    early = [op.group(1) for op in _MEM_OP.finditer(head) if not op.group(1).startswith(_SAFE_BEFORE_WAIT)]
     if early:
         raise RuntimeError(f"{kernel}: compiled with PDL=True but accesses memory before griddepcontrol.wait "
                            f"({', '.join(sorted(set(early)))}); call pdl_enter first (codegen/triton/pdl.py)")

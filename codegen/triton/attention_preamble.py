@@ -28,7 +28,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, RowConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         check_shape, dtype_name, launch, next_pow2, shape_of, sig_type, strides_of)
-from kiln.codegen.triton.pdl import pdl_enter
+from kiln.codegen.triton.pdl import pdl_enter, pdl_step_input
 
 
 @triton.jit
@@ -74,12 +74,13 @@ def attention_preamble_kernel(q_ptr, k_ptr, v_ptr, stride_qt, stride_kt, stride_
                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                               BS: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # before any global access (pdl.py)
     t, hb = tl.program_id(0), tl.program_id(1)
-    if t >= tl.load(n_rows_ptr):
+    n_rows = pdl_step_input(n_rows_ptr, PDL)  # step inputs: read before the wait (pdl.py)
+    pos = pdl_step_input(positions_ptr + t, PDL)  # (the bucket's T entries: in bounds past n_rows)
+    pdl_enter(PDL)  # before any other global access (pdl.py)
+    if t >= n_rows:
         return
     t64 = t.to(tl.int64)
-    pos = tl.load(positions_ptr + t)
     NQB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     if hb < NQB:  # q heads [hb * BLOCK_H, ...) -> q_out: [T, H, D]
         y, offs, mask = _norm_rope(q_ptr + t64 * stride_qt, H, hb * BLOCK_H, q_norm_ptr, cos_ptr, sin_ptr, pos,

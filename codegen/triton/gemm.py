@@ -45,7 +45,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, GemmReduction, GemmTile, with_tma
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         check_shape, dtype_name, launch, shape_of, sig_type, strides_of)
-from kiln.codegen.triton.pdl import pdl_enter
+from kiln.codegen.triton.pdl import pdl_enter, pdl_step_input
 
 
 @triton.jit
@@ -130,7 +130,8 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
                 SILU_GROUP: tl.constexpr = 0):
-    pdl_enter(PDL)  # before any global access (pdl.py)
+    n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
+    pdl_enter(PDL)  # before any other global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K). Programs walk W's
     # column blocks with GROUP_M row blocks side by side, so the programs in flight share each W
     # tile through L2 (N-major order re-read all of W from HBM for every row block: at
@@ -144,7 +145,7 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    if pid_m * BLOCK_M >= tl.load(n_rows_ptr):
+    if pid_m * BLOCK_M >= n_rows:
         return
     # The interpreter takes the pointer path: its numpy model of the dot sums a transposed
     # tile in another order, which would fake a difference.

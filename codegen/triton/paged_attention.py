@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kiln.codegen.triton.pdl import pdl_enter
+from kiln.codegen.triton.pdl import pdl_enter, pdl_step_input
 
 
 @triton.jit
@@ -212,17 +212,21 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
                            BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
                            SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr,
                            INTERPRET: tl.constexpr, MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # before any global access (pdl.py)
     # grid: (q-block bound, or S for DECODE, HKV, MAX_SEGS if SPLIT else 1)
     # cnt_ptr (MERGE): i32[S, HKV], all 0 when the launch starts and when it ends
     pid, kvh, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if DECODE:  # one query per sequence: program pid serves sequence pid, no search
-        s = pid
+    if DECODE:  # one query per sequence: program pid serves sequence pid, no search; its offsets
+        s = pid  # and length are step inputs, read before the wait (pdl.py)
+        q0 = pdl_step_input(qsl_ptr + s, PDL)
+        n = pdl_step_input(qsl_ptr + s + 1, PDL) - q0
+        L = pdl_step_input(seq_lens_ptr + s, PDL)
+        pdl_enter(PDL)  # before any other global access (pdl.py)
     else:
+        pdl_enter(PDL)  # before any global access (pdl.py)
         s = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
-    q0 = tl.load(qsl_ptr + s)
-    n = tl.load(qsl_ptr + s + 1) - q0
-    L = tl.load(seq_lens_ptr + s)
+        q0 = tl.load(qsl_ptr + s)
+        n = tl.load(qsl_ptr + s + 1) - q0
+        L = tl.load(seq_lens_ptr + s)
     c = L - n  # position of the sequence's first query
     if DECODE:
         blk = c // BLOCK_Q

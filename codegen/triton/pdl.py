@@ -29,3 +29,21 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+STEP_INPUT_MARK = "kiln:step-input"  # the PTX comment before a step-input load (aot.check_pdl_order)
+_STEP_INPUT_ASM = tl.constexpr("// " + STEP_INPUT_MARK + "\n\tld.global.b32 $0, [$1];")
+
+
+@triton.jit
+def pdl_step_input(ptr, PDL: tl.constexpr):
+    """*ptr, one i32 of the step's inputs (the live row count, a position, a sequence's offsets
+    or length), read *before* pdl_enter. The executor uploads the inputs before the step's
+    launches and no kernel writes them, so the read need not wait for the kernel before;
+    under PDL it is then no longer a memory round trip on this kernel's path after the wait.
+    The load is marked in the PTX (STEP_INPUT_MARK), the one load aot.check_pdl_order lets
+    stand before the wait. Only for the inputs region: never for memory a kernel writes."""
+    if PDL:
+        return tl.inline_asm_elementwise(_STEP_INPUT_ASM, "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.load(ptr)

@@ -20,7 +20,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, RowConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_inner_contiguous, check_shape, dtype_name,
                                         launch, next_pow2, shape_of, sig_type, strides_of)
-from kiln.codegen.triton.pdl import pdl_enter
+from kiln.codegen.triton.pdl import pdl_enter, pdl_step_input
 
 
 @triton.jit
@@ -29,13 +29,14 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, n_rows_ptr,
                     stride_xs, eps, offset,
                     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_SPLIT: tl.constexpr,
                     PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # before any global access (pdl.py)
+    n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
+    pdl_enter(PDL)  # before any other global access (pdl.py)
     # grid: (T, R). x, res, y, res_out: [T, R, N]; w: [N] (its dtype is the storage dtype).
     # X_SPLIT > 0: x is a split-K GEMM's f32 partials [X_SPLIT, T, N] (stride_xs apart), summed
     # here exactly as gemm_reduce_kernel sums them (in order 0..S-1, then rounded), so the
     # fused launch gives the same bits as reduce + norm.
     t, r = tl.program_id(0), tl.program_id(1)
-    if t >= tl.load(n_rows_ptr):
+    if t >= n_rows:
         return
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N

@@ -121,6 +121,22 @@ def test_pdl_order_check_reads_the_entry_body():
         check_pdl_order(head + "}", "k", "k")
 
 
+def test_pdl_order_check_lets_only_marked_step_input_loads_before_the_wait():
+    """pdl.pdl_step_input's load (a scalar of the uploaded step inputs, which no kernel writes)
+    may stand before the wait, marked as it is; the same load unmarked, a marked store or wider
+    load, or any other access there is still refused."""
+    head = ".visible .entry k(\n\t.param .u64 k_param_0\n)\n.reqntid 128\n{\n\tld.param.u64 %rd1, [k_param_0];\n"
+    marked = "\t// begin inline asm\n\t// kiln:step-input\n\tld.global.b32 %r7, [%rd1];\n\t// end inline asm\n"
+    wait = "\tgriddepcontrol.wait;\n}"
+    check_pdl_order(head + marked + marked.replace("%r7", "%r8") + wait, "k", "k")
+    for early in (marked.replace("\t// kiln:step-input\n", ""),  # unmarked
+                  marked.replace("ld.global.b32 %r7, [%rd1]", "st.global.b32 [%rd1], %r7"),
+                  marked.replace("ld.global.b32 %r7, [%rd1]", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1]"),
+                  marked + "\tld.global.b32 %r9, [%rd1];\n"):  # a load after a marked one
+        with pytest.raises(RuntimeError, match="before griddepcontrol.wait"):
+            check_pdl_order(head + early + wait, "k", "k")
+
+
 def test_cache_hit_is_fast_and_keyed_by_the_spec(tmp_path):
     spec = silu_mul_spec(T, 512, config=DEFAULT.elementwise("silu_mul", 512))
     first = compile_spec(spec, "sm_90", cache_dir=tmp_path)
