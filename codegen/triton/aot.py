@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kiln.codegen.triton.launch import KernelSpec, interpreting, kernel_fn
-from kiln.codegen.triton.pdl import STEP_INPUT_MARK
 
 ARCHS = {"sm_90": 90, "sm_90a": 90, "sm_121": 121, "sm_121a": 121}
 
@@ -155,9 +154,14 @@ _SAFE_BEFORE_WAIT = ("ld.param", "ld.shared", "st.shared", "ld.local", "st.local
                      "cp.async.bulk.prefetch")
 
 
-# pdl.pdl_step_input: a scalar load of the step inputs (uploaded before the step, written by no
-# kernel), marked so that it alone may stand before the wait
-_STEP_INPUT_LOAD = re.compile(r"//\s*" + re.escape(STEP_INPUT_MARK) + r"[ \t]*\n\s*ld\.global\.b32\s+%r\d+,\s*\[%rd\d+\];")
+@functools.lru_cache(maxsize=None)
+def _step_input_load() -> re.Pattern:
+    """pdl.pdl_step_input's PTX: a scalar load of the step inputs (uploaded before the step,
+    written by no kernel), marked so that it alone may stand before the wait. (pdl.py imports
+    Triton, which this module leaves to compile time.)"""
+    from kiln.codegen.triton.pdl import STEP_INPUT_MARK
+
+    return re.compile(r"//\s*" + re.escape(STEP_INPUT_MARK) + r"[ \t]*\n\s*ld\.global\.b32\s+%r\d+,\s*\[%rd\d+\];")
 
 
 def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
@@ -170,7 +174,7 @@ def check_pdl_order(ptx: str, name: str, kernel: str) -> None:
     cut = body.find("griddepcontrol.wait")
     if cut < 0:
         raise RuntimeError(f"{kernel}: compiled with PDL=True but its PTX has no griddepcontrol.wait")
-    head = _STEP_INPUT_LOAD.sub("", body[:cut])  # pdl_step_input's marked loads of the step inputs
+    head = _step_input_load().sub("", body[:cut])  # pdl_step_input's marked loads of the step inputs
     early = [op.group(1) for op in _MEM_OP.finditer(head) if not op.group(1).startswith(_SAFE_BEFORE_WAIT)]
     if early:
         raise RuntimeError(f"{kernel}: compiled with PDL=True but accesses memory before griddepcontrol.wait "

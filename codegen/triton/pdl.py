@@ -10,7 +10,8 @@ still starts its work after its predecessor ends).
 
 Correctness rests on one rule: a PDL kernel calls `pdl_enter` before it touches global
 memory at all, loads or stores (the GEMM's TMA descriptors, built in a scratch buffer
-every launch shares, included). `griddepcontrol.wait` returns once the kernel before it
+every launch shares, included). One exception: `pdl_step_input` reads a scalar of the
+step's inputs, which the host uploads before the step and no kernel writes. `griddepcontrol.wait` returns once the kernel before it
 has completed and its writes are visible, so everything after it sees what a plain
 stream-ordered launch would. Then `launch_dependents` lets the next kernel be scheduled as
 soon as every program of this one has started. Without the launch attribute (the JIT, the
