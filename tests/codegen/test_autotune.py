@@ -245,7 +245,7 @@ def _attention_time(timed):
         elif s.kernel == "paged_attention_kernel" and c["DECODE"] and c["SPLIT"]:
             us += 10 - (s.num_warps == 2) - (s.num_stages == 4) - (s.maxnreg == 128)
         elif s.kernel == "paged_attention_kernel" and c["DECODE"]:
-            us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100 + (s.maxnreg or 0)
+            us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100
         elif s.kernel == "paged_attention_kernel":
             us += 10 - (c["BLOCK_Q"] == 32) - (s.num_warps == 8) + s.num_stages / 100
         else:
