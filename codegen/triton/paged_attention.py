@@ -223,6 +223,15 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
         pdl_enter(PDL)  # before any other global access (pdl.py)
     else:
         pdl_enter(PDL)  # before any global access (pdl.py)
+        # Heaviest first: the hardware starts programs in launch order (axis 0 fastest), and a
+        # causal q block's work grows with its position, so the launch order (q block, KV head)
+        # is remapped to (KV head fastest, q blocks from the last): the longest programs start
+        # first and the short ones fill the tail (longest-processing-time-first, as
+        # FlashAttention walks its m blocks in reverse). A bijection of the grid; bits unchanged.
+        nq = tl.num_programs(0)
+        lin = kvh * nq + pid
+        kvh = lin % HKV
+        pid = nq - 1 - lin // HKV
         s = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
         q0 = tl.load(qsl_ptr + s)
         n = tl.load(qsl_ptr + s + 1) - q0
