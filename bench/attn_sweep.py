@@ -99,7 +99,7 @@ def main() -> None:
                 rate = f"{4 * n * n * D * H / 2 / us / 1e6:6.1f} TFLOP/s"
             print(f"{name:14s} {spec:18s} split={case.split:d} {us:9.1f} us  {rate}  {same}", flush=True)
             rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=case.split, us=us, module=L.MODULE,
-                             cache_dtype=a.cache_dtype))
+                             cache_dtype=a.cache_dtype, maxnreg=int(cap[0]) if cap else None))
         bench.free_all()
     if a.json:
         with open(a.json, "w") as f:

@@ -70,9 +70,11 @@ def _lookup(a):
     sched = None if a.untuned else Schedules.read("sm_90")
 
     def lookup(op, key):
-        if op == "paged_attention" and (a.attn_block_q or a.attn_warps):
-            return {k: v for k, v in (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps)) if v}
         found = sched.lookup(op, key) if sched else None
+        knobs = (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps),
+                 ("prefill_num_stages", a.attn_stages), ("prefill_maxnreg", a.attn_maxnreg))
+        if op == "paged_attention" and any(v for _, v in knobs):  # over the tuned entry's other knobs
+            return {**(found or {}), **{k: v for k, v in knobs if v}}
         if op == "gemm_tile":  # A/Bs of the TMA loads (configs.with_tma) and of folded split-K (Configs.gemm_fold)
             word = {**({"tma": a.gemm_tma == "on"} if a.gemm_tma != "auto" else {}),
                     **({"fold": False} if a.gemm_fold == "off" else {})}
@@ -152,6 +154,8 @@ def main() -> None:
                     "GEMM or behind the merging attention), none, or wide:N (a GEMM behind any kernel of more "
                     "than N programs)")
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
+    ap.add_argument("--attn-stages", type=int, help="paged attention pipeline stages in prefill buckets")
+    ap.add_argument("--attn-maxnreg", type=int, help="paged attention register cap in prefill buckets")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
                     "each at --profile-context tokens (KV left as allocated: timing only)")

@@ -210,12 +210,19 @@ def class_candidates(shape: AttentionShape, default: AttentionConfig, cls: str) 
 
 
 def prefill_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
-    """The default first, then query positions per program x warps x stages. Over an e4m3 cache,
+    """The default first, then query positions per program x warps x stages, and the default's
+    rows on 4 warps with 1 stage, uncapped or under a 168-register cap, or 2 stages capped (Llama-8B
+    heads, 64 rows, sm_90: 1 stage takes 209 registers and 51 KB of shared memory, 2 programs an SM;
+    capped, 3. H200, bench/attn_sweep.py, 2,048-token prefill: e4m3 152.5 -> 139.5 us, bf16 140.1 ->
+    151.4. A 128 cap spilled (210-258 us), 128-row programs under a cap ran 3-4x slower, and ptxas
+    could not fit some at all, which would stop the sweep). Over an e4m3 cache,
     only programs on the default's side of 64 rows: its f16 dots round differently on mma.sync
     (< 64 rows) and wgmma (the known gap, the strict xfail in test_triton_gpu.py; H200: the
     32-row candidates changed the bits), so the others would fail the tuner's bits check."""
     grid = [replace(default, prefill_block_q=bq, prefill_num_warps=w, prefill_num_stages=s)
             for bq in (8, 16, 32) for w in (4, 8) for s in (2, 3)]
+    grid += [replace(default, prefill_num_warps=4, prefill_num_stages=s, prefill_maxnreg=r)
+             for s, r in ((1, None), (1, 168), (2, 168))]
     if shape.cache_dtype == "float8_e4m3fn":
         wgmma = lambda c: _rows(shape, c) >= 64  # noqa: E731
         grid = [c for c in grid if wgmma(c) == wgmma(default)]

@@ -75,6 +75,7 @@ class AttentionConfig:
     prefill_block_q: int = 16
     prefill_num_warps: int = 4
     prefill_num_stages: int = 2
+    prefill_maxnreg: int | None = None  # a register cap (ptxas), None: none (see maxnreg below)
     # Decode buckets by size class (paged_attention_launch.decode_class): the knobs above serve
     # those read whole (more than lower.SPLIT_KV_MAX_SEQS sequences); `split_*` the split-KV ones
     # of 2 or more sequences, `one_*` a single sequence (batch-1 latency: a few dozen programs).
@@ -96,7 +97,7 @@ class AttentionConfig:
 ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages")
 ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg")
 ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg")
-ATTENTION_PREFILL_KNOBS = ("prefill_block_q", "prefill_num_warps", "prefill_num_stages")
+ATTENTION_PREFILL_KNOBS = ("prefill_block_q", "prefill_num_warps", "prefill_num_stages", "prefill_maxnreg")
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
     fused = merges_in_kernel(split, decode, fuse_merge)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
     warps, stages, maxnreg = (decode_launch(config, num_seqs, split) if decode
-                              else (config.prefill_num_warps, config.prefill_num_stages, None))
+                              else (config.prefill_num_warps, config.prefill_num_stages, config.prefill_maxnreg))
     p, o = sig_type(dtype), sig_type(out_dtype or dtype)
     i32 = lambda *names: {n: "i32" for n in names}
     main = KernelSpec(

@@ -20,7 +20,7 @@ from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
 from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
 from kiln.codegen.triton.launch import cdiv
-from kiln.codegen.triton.paged_attention_launch import attention_block_q, decode_launch
+from kiln.codegen.triton.paged_attention_launch import attention_block_q, decode_launch, paged_attention_specs
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -235,8 +235,8 @@ def test_attention_cases_follow_the_bundle():
 
 def _attention_time(timed):
     """Decode read whole: 4 warps and 3 stages are fastest, then fewer rows; split decode: 2 warps,
-    4 stages, a cap of 128 registers; one sequence: 4 warps, 2 stages, no cap; prefill: 32
-    positions, 8 warps."""
+    4 stages, a cap of 128 registers; one sequence: 4 warps, 2 stages, no cap; prefill: a cap of
+    168 registers, then 32 positions, then fewer stages."""
     us = 0.0
     for s in specs_of(timed):
         c = s.constexprs
@@ -247,7 +247,7 @@ def _attention_time(timed):
         elif s.kernel == "paged_attention_kernel" and c["DECODE"]:
             us += 10 - (s.num_warps == 4) - (s.num_stages == 3) + c["BLOCK_Q"] / 100
         elif s.kernel == "paged_attention_kernel":
-            us += 10 - (c["BLOCK_Q"] == 32) - (s.num_warps == 8) + s.num_stages / 100
+            us += 10 - (c["BLOCK_Q"] == 32) - 2 * (s.maxnreg == 168) + s.num_stages / 100
         else:
             us += 1
     return us
@@ -268,7 +268,7 @@ def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
     assert entry == {"h": 4, "hkv": 2, "d": 16, "block_q": bq0, "num_warps": 4, "num_stages": 3,
                      "split_num_warps": 2, "split_num_stages": 4, "split_maxnreg": 128,
                      "one_num_warps": 4, "one_num_stages": 2,
-                     "prefill_block_q": 32, "prefill_num_warps": 8, "prefill_num_stages": 2}
+                     "prefill_block_q": 16, "prefill_num_warps": 4, "prefill_num_stages": 1, "prefill_maxnreg": 168}
     # each decode class was timed at its own case, split as the plan splits it
     seen = {(s.constexprs["DECODE"], s.constexprs["SPLIT"], s.grid[0]) for t in bench.timed for s in specs_of(t)
             if s.kernel == "paged_attention_kernel"}
@@ -277,6 +277,8 @@ def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
     got = Configs(lookup=sched.lookup).attention(4, 2, 16, 512)
     assert decode_launch(got, 128, False) == (4, 3, None)
     assert decode_launch(got, 32, True) == (2, 4, 128) and decode_launch(got, 1, True) == (4, 2, None)
+    (pre,) = paged_attention_specs(300, 4, 2, 16, 16, 2, split=False, max_model_len=512, config=got)
+    assert (pre.constexprs["BLOCK_Q"], pre.num_warps, pre.num_stages, pre.maxnreg) == (16, 4, 1, 168)
     assert not bench.mismatches
 
 
@@ -289,7 +291,7 @@ def test_an_attention_schedule_that_changes_the_bits_is_reported_not_chosen():
     bench = FakeBench(_attention_time, bits_fn=bits)
     sched = AttentionTuner(bench).tune(attention_shapes(graph, 16, 512), decode, prefill)
     (entry,) = sched.entries["paged_attention"]
-    assert entry["split_num_warps"] == 2 and entry["prefill_num_warps"] == 8  # the fastest with the default's bits
+    assert entry["split_num_warps"] == 2 and entry["prefill_maxnreg"] == 168  # the fastest with the default's bits
     assert "one_num_warps" not in entry  # one sequence: every 4-warp schedule differed, the default won
     assert bench.mismatches and {(g[-1], c.one_num_warps or c.split_num_warps)
                                  for g, c in bench.mismatches} == {("split", 4), ("one", 4)}

@@ -166,11 +166,13 @@ def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
             dec = attention(np.ascontiguousarray(q[last:last + 1]), cache, bt[1:2], sl[1:2],
                             np.array([0, 1], np.int32), split, cfg, decode)
             assert same_bits(dec[0], full[last]), f"decode (split={split}, kernel={decode}) differs from prefill"
-    # rows per program, warps and stages only group rows (16-row mma.sync to 128-row wgmma programs)
-    for bq, warps, stages in ((4, 4, 2), (32, 8, 3), (16, 8, 2)):
-        other = dataclasses.replace(cfg, prefill_block_q=bq, prefill_num_warps=warps, prefill_num_stages=stages)
+    # rows per program, warps, stages and a register cap only group rows (16-row mma.sync to
+    # 128-row wgmma programs)
+    for bq, warps, stages, cap in ((4, 4, 2, None), (32, 8, 3, None), (16, 8, 2, None), (16, 4, 1, 168)):
+        other = dataclasses.replace(cfg, prefill_block_q=bq, prefill_num_warps=warps, prefill_num_stages=stages,
+                                    prefill_maxnreg=cap)
         assert same_bits(attention(q, cache, bt, sl, qsl, False, other), full), \
-            f"prefill_block_q={bq}, {warps} warps, {stages} stages changed the bits"
+            f"prefill_block_q={bq}, {warps} warps, {stages} stages, cap {cap} changed the bits"
     many = np.array([[last]] * 5).ravel()  # a decode batch: five copies of the last query
     dec = attention(np.ascontiguousarray(q[many]), cache, np.repeat(bt[1:2], 5, 0), np.repeat(sl[1:2], 5),
                     np.arange(6, dtype=np.int32), True, cfg, True)
