@@ -1,6 +1,6 @@
 """Paged attention alone on the GPU, across schedules: a decode batch and a prefill.
 
-    python bench/attn_sweep.py [--case decode256@1500|prefill2048|decode1@512 ...] [--split auto|on|off]
+    python bench/attn_sweep.py [--case decode256@1500|prefill2048|decode1@512|mixed512@1500+1536 ...] [--split auto|on|off]
                                [--cache-dtype bf16|fp8] [--module MOD] [--max-model-len N] --configs SPEC ...
                                [--json OUT]
 
@@ -45,7 +45,8 @@ def main() -> None:
     from kiln.runtime.cuda_driver import CudaContext
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512 (repeatable)")
+    ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512, "
+                    "mixed512@1500[+1536] (decode rows and a prompt chunk in the prefill kernel; repeatable)")
     ap.add_argument("--module", help="kernel module to launch instead of kiln's (A/B)")
     ap.add_argument("--split", choices=("auto", "on", "off"), default="auto", help="split-KV (decode)")
     ap.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: --kv-cache-dtype fp8")
@@ -92,7 +93,7 @@ def main() -> None:
             key = (cfg.tile, cfg.seg)
             same = "first" if key not in ref else ("same bits" if out == ref[key] else "BITS DIFFER")
             ref.setdefault(key, out)
-            if case.decode:
+            if case.decode or name.startswith("mixed"):
                 rate = f"{rig.kv_bytes / us / 1e6:6.2f} TB/s K/V"
             else:
                 n = case.lens[0]

@@ -71,14 +71,29 @@ def prefill_case(n: int, bucket: Bucket | None = None) -> AttentionCase:
     return AttentionCase(f"prefill{n}", (n,), (n,), t, s, False, False)
 
 
+def mixed_case(seqs: int, keys: int, prompt: int = 0) -> AttentionCase:
+    """A mixed bucket's attention: `seqs` decoding sequences (one query each at `keys` keys) and,
+    with `prompt`, a first prompt chunk of that many tokens, all in the prefill kernel as a
+    chunked-prefill step runs them."""
+    chunk = (prompt,) if prompt else ()
+    return AttentionCase(f"mixed{seqs}@{keys}" + (f"+{prompt}" if prompt else ""), (keys,) * seqs + chunk,
+                         (1,) * seqs + chunk, seqs + prompt, seqs + len(chunk), False, False)
+
+
 def parse_case(name: str, split: bool | None = None) -> AttentionCase:
-    """decode256@1500 (256 sequences at 1,500 keys; @1500 is the default), decode1@512, prefill2048."""
+    """decode256@1500 (256 sequences at 1,500 keys; @1500 is the default), decode1@512, prefill2048,
+    mixed512@1500[+1536] (mixed_case)."""
     if name.startswith("decode"):
         seqs, _, keys = name[len("decode"):].partition("@")
         return decode_case(int(seqs), int(keys or 1500), split)
+    if name.startswith("mixed"):
+        body, _, prompt = name[len("mixed"):].partition("+")
+        seqs, _, keys = body.partition("@")
+        return mixed_case(int(seqs), int(keys or 1500), int(prompt or 0))
     if name.startswith("prefill"):
         return prefill_case(int(name[len("prefill"):]))
-    raise ValueError(f"unknown attention case {name!r} (decode<S>[@<keys>] or prefill<N>)")
+    raise ValueError(f"unknown attention case {name!r} (decode<S>[@<keys>], prefill<N> or "
+                     f"mixed<S>[@<keys>][+<prompt>])")
 
 
 SPLIT_CASE_SEQS = 32  # the split class's case: this many sequences (or the largest decode bucket)

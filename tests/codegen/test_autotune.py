@@ -231,6 +231,12 @@ def test_attention_cases_follow_the_bundle():
     decode, _ = attention_cases(make_buckets(1, 512), 1024)  # batch 1 only
     assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 1)]
     assert parse_case("decode4") == decode_case(4, 1500) and parse_case("prefill300").tokens == 300
+    mixed = parse_case("mixed4@100+32")  # 4 decoding sequences and a 32-token first prompt chunk
+    assert (mixed.lens, mixed.counts, mixed.tokens, mixed.seqs, mixed.decode, mixed.split) == (
+        (100, 100, 100, 100, 32), (1, 1, 1, 1, 32), 36, 5, False, False)
+    assert parse_case("mixed8").lens == (1500,) * 8 and parse_case("mixed8").tokens == 8
+    with pytest.raises(ValueError, match="mixed<S>"):
+        parse_case("chunk8")
 
 
 def _attention_time(timed):
