@@ -197,7 +197,8 @@ def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
     from kiln.bench.gpu_shape_decode import _lookup
     from kiln.codegen.triton.configs import Configs
 
-    args = Namespace(untuned=False, attn_block_q=None, attn_warps=None, gemm_tma="off", gemm_fold=fold)
+    args = Namespace(untuned=False, attn_block_q=None, attn_warps=None, attn_stages=None, attn_maxnreg=None,
+                     gemm_tma="off", gemm_fold=fold)
     configs = Configs(lookup=_lookup(args))
     by_rule = []
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # q/k/v, o_proj, down
@@ -208,6 +209,24 @@ def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
         assert not configs.gemm_fold(1, n, k, decode, red)
         assert prefill.tma is False
     assert any(by_rule), "the tuned schedules leave the A/B nothing to fold"
+
+
+def test_gpu_shape_decode_attention_flags_sit_on_the_tuned_entry():
+    """bench/gpu_shape_decode.py --attn-*: the prefill knobs given replace the tuned entry's, and
+    the entry's other knobs (the decode size classes') stay as tuned."""
+    from argparse import Namespace
+
+    from kiln.bench.gpu_shape_decode import _lookup
+    from kiln.codegen.triton.configs import Configs
+    from kiln.schedules import Schedules
+
+    tuned = Configs(lookup=Schedules.read("sm_90").lookup).attention(32, 8, 128, 4096)
+    args = Namespace(untuned=False, attn_block_q=None, attn_warps=None, attn_stages=1, attn_maxnreg=168,
+                     gemm_tma="auto", gemm_fold="auto")
+    got = Configs(lookup=_lookup(args)).attention(32, 8, 128, 4096)
+    assert (got.prefill_num_stages, got.prefill_maxnreg) == (1, 168)
+    assert replace(got, prefill_num_stages=tuned.prefill_num_stages, prefill_maxnreg=tuned.prefill_maxnreg) == tuned
+    assert tuned.split_maxnreg is not None  # the committed entry tunes the split class: kept above
 
 
 def test_gpu_shape_decode_fuse_silu_flag_picks_the_graph():
