@@ -68,10 +68,29 @@ def cache_key(spec: KernelSpec, arch: str) -> str:
                       spec.num_warps, spec.num_stages, ARCHS[arch], spec.maxnreg)
 
 
+_KILN_IMPORT = re.compile(r"^from (kiln\.codegen\.triton\.\w+) import", re.MULTILINE)
+
+
+def kernel_sources(module: str) -> list[str]:
+    """The kernel's module and the codegen/triton modules it imports from, transitively (the
+    helpers its jit functions call: pdl.py's pdl_enter, say), sorted."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += _KILN_IMPORT.findall(Path(importlib.util.find_spec(m).origin).read_text())
+    return sorted(seen)
+
+
 @functools.lru_cache(maxsize=None)
 def _source_sha256(module: str) -> str:
-    """The kernel file's hash; read once per process (an edited file means a new process)."""
-    return hashlib.sha256(Path(importlib.util.find_spec(module).origin).read_bytes()).hexdigest()
+    """The hash of the kernel's sources (kernel_sources): an edit to a helper it calls makes
+    new keys too. Read once per process (an edited file means a new process)."""
+    h = hashlib.sha256()
+    for m in kernel_sources(module):
+        h.update(m.encode() + b"\0" + Path(importlib.util.find_spec(m).origin).read_bytes())
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,7 +145,7 @@ def _compile_here(spec: KernelSpec, arch: str) -> Compiled:
     fn = kernel_fn(spec)
     names = list(fn.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible}
-    src = ASTSource(fn, spec.full_signature(), dict(spec.constexprs), attrs)
+    src = ASTSource(fn, spec.full_signature(), spec.all_constexprs(), attrs)
     k = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                        options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
                                 **({"maxnreg": spec.maxnreg} if spec.maxnreg else {})})

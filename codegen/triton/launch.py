@@ -199,6 +199,19 @@ class KernelSpec:
         return {p.name: ("constexpr" if p.name in self.constexprs or p.is_constexpr else self.signature[p.name])
                 for p in fn.params}  # a constexpr the spec leaves out takes its default (PDL=False)
 
+    def all_constexprs(self) -> dict[str, Any]:
+        """The spec's constexprs and every other constexpr of the kernel at its default, for
+        ASTSource. Triton 3.6 keys its compile cache (ASTSource.hash) on the constexprs' values in
+        parameter order without their names, so a spec that leaves a defaulted constexpr out
+        shares a key with one that sets another: {MERGE: False, PDL: True} and {MERGE: False,
+        ROUTE: True} were one key, and the second compile was handed the first's kernel. With
+        every constexpr passed, each value has its place."""
+        fn = kernel_fn(self)
+        missing = [p.name for p in fn.params if p.is_constexpr and p.name not in self.constexprs and not p.has_default]
+        check(not missing, f"{self.kernel}: no value for the constexprs {missing}")
+        return {p.name: self.constexprs[p.name] if p.name in self.constexprs else p.default
+                for p in fn.params if p.is_constexpr or p.name in self.constexprs}
+
     def with_pdl(self) -> KernelSpec:
         """This launch compiled for programmatic dependent launch (pdl.py), where the kernel
         has the PDL switch; unchanged otherwise."""

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from kiln.codegen.triton.aot import check_pdl_order, compile_spec, compile_specs
+from kiln.codegen.triton.aot import check_pdl_order, compile_spec, compile_specs, kernel_sources
 from kiln.codegen.triton.argmax import argmax_spec
 from kiln.codegen.triton.attention_preamble import attention_preamble_spec
 from kiln.codegen.triton.configs import DEFAULT, AttentionConfig, GemmReduction
@@ -147,6 +147,24 @@ def test_cache_hit_is_fast_and_keyed_by_the_spec(tmp_path):
     other = silu_mul_spec(T, 1024, config=DEFAULT.elementwise("silu_mul", 1024))  # another constexpr
     assert compile_spec(other, "sm_90", cache_dir=tmp_path).cubin != first.cubin
     assert len(list(tmp_path.glob("*.cubin"))) == 2
+
+
+def test_cache_key_covers_the_helpers_a_kernel_calls():
+    assert kernel_sources("kiln.codegen.triton.paged_attention") == [
+        "kiln.codegen.triton.paged_attention", "kiln.codegen.triton.pdl"]
+    assert "kiln.codegen.triton.pdl" in kernel_sources("kiln.codegen.triton.gemm")
+
+
+def test_specs_setting_different_constexprs_get_their_own_kernels(tmp_path, monkeypatch):
+    """{A: 1} and {B: 1} of a kernel whose constexprs both default to 0: Triton's own cache
+    (fresh here, shared by both compiles) keys constexprs by value and place, not name, so
+    each spec must pass every constexpr (KernelSpec.all_constexprs) to get its own kernel."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    spec = lambda **c: KernelSpec(module="tests.codegen.constexpr_kernel", kernel="two_switches_kernel",  # noqa: E731
+                                  signature={"y_ptr": "*i32"}, constexprs=c, grid=(1,))
+    a = compile_spec(spec(A=1), "sm_90", cache_dir=tmp_path / "a")
+    b = compile_spec(spec(B=1), "sm_90", cache_dir=tmp_path / "b")
+    assert a.cubin != b.cubin, "the spec setting B was given the kernel compiled for A"
 
 
 def test_unknown_arch_is_one_clear_error(tmp_path):
