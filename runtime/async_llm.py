@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
+from kiln.runtime.engine_core_client import EngineCoreDeadError
 from kiln.runtime.llm_engine import LLMEngine
 from kiln.runtime.output_collector import RequestOutputCollector
 from kiln.runtime.outputs import OutputKind, RequestOutput
@@ -52,6 +53,7 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._inflight: Optional[concurrent.futures.Future] = None  # the command the engine thread runs
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._lock = threading.Lock()  # guards _collectors and the dead/stopped flags
         self._wake = threading.Event()
@@ -233,12 +235,16 @@ class AsyncLLM:
             ran = True
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._inflight = fut  # what escapes below ends the loop, and _die fails this caller too
             try:
                 result = fn()
+            except EngineCoreDeadError:  # the core process is gone: the engine's end, not a bad request
+                raise
             except Exception as e:  # a bad request: its caller gets the error
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+            self._inflight = None
         return ran
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -269,6 +275,9 @@ class AsyncLLM:
             self._dead_error = err
             collectors, self._collectors = list(self._collectors.values()), {}
         dead = err if isinstance(err, EngineDeadError) else EngineDeadError(self._dead_message())
+        inflight, self._inflight = self._inflight, None  # (after _dead_error: its caller may ask /health)
+        if inflight is not None and not inflight.done():
+            inflight.set_exception(dead)
         while self._commands:
             _, fut = self._commands.popleft()
             if fut.set_running_or_notify_cancel():

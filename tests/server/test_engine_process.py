@@ -76,6 +76,9 @@ def test_a_dead_core_fails_requests_and_health(tiny_chat_dir):
             return await collect(engine, "hi", SamplingParams(max_tokens=100, ignore_eos=True), "x")
 
         os.kill(engine.engine.core.process.pid, signal.SIGKILL)
+        # gone before the request is sent (sending it fails): the caller still hears that the
+        # engine is dead (the core's death found by a step instead is the other order)
+        engine.engine.core.process.join(10)
         with pytest.raises(EngineDeadError):
             asyncio.run(long_request())
         assert srv.request("GET", "/health")[0] == 503
