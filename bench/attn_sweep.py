@@ -17,7 +17,8 @@ sums: a model's choice, never a bucket's).
 A config is `tile,seg,block_q,warps,stages[,maxnreg]`; for prefill cases block_q/warps/stages are the
 prefill ones. --split: decode split-KV as a bundle's plan has it (auto), or forced.
 --cache-dtype fp8: the KV cache of --kv-cache-dtype fp8. --module points the launch at another
-copy of the kernel (an A/B).
+copy of the kernel (an A/B). --route: a mixed case's decode rows in a launch of the decode variant
+(AttentionConfig.route_mixed), against the default of every row in the prefill variant.
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def main() -> None:
     ap.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: --kv-cache-dtype fp8")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--configs", nargs="+", required=True, help="tile,seg,block_q,warps,stages ...")
+    ap.add_argument("--route", action="store_true",
+                    help="mixed cases: the decode rows in a launch of the decode variant (AttentionConfig.route_mixed; "
+                         "its knobs the defaults')")
     ap.add_argument("--json")
     ap.add_argument("--hnd", action="store_true", help="timing only: read the cache as [NB, 2, Hkv, BS, D] "
                     "(each KV head's block rows contiguous) through its strides; the outputs are not checked")
@@ -78,7 +82,7 @@ def main() -> None:
         rig = AttentionRig(bench, shape, case)
         ref = {}
         for spec in a.configs:
-            cfg = parse(spec, case.decode)
+            cfg = dataclasses.replace(parse(spec, case.decode), route_mixed=a.route)
             timed = rig.timed(cfg)
             cap = spec.split(",")[5:]  # a sixth field: the attention kernel's register cap (maxnreg)
             if cap:

@@ -90,6 +90,14 @@ class AttentionConfig:
     one_num_warps: int | None = None
     one_num_stages: int | None = None
     one_maxnreg: int | None = None
+    # Mixed buckets: their sequences of one query (the decode rows of a step that also runs a
+    # prompt chunk) taken by a launch of the decode variant (16-row programs, the knobs of the
+    # decode buckets read whole), the rest by the prefill variant (paged_attention_launch.
+    # routes_mixed). Off: every row in the prefill variant's 64-row programs, a sixteenth of
+    # them live for a decode row. Over an e4m3 cache routing also changes the decode rows'
+    # bits to the decode steps' own (GPU_NOTES: 16- and 64-row programs round the f16 dots
+    # differently). Not swept by the tuner; a schedule sets it.
+    route_mixed: bool = False
 
 
 # AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these

@@ -19,6 +19,7 @@ and mixed batches, or fuse_merge=False) the merge is a second launch, grid
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -56,6 +57,12 @@ def merges_in_kernel(split: bool, decode: bool, fuse_merge: bool = True) -> bool
     return split and decode and fuse_merge
 
 
+def routes_mixed(config: AttentionConfig, split: bool, decode: bool) -> bool:
+    """Whether a batch's sequences of one query go to a launch of the decode variant of their
+    own (config.route_mixed, in a mixed bucket: never split)."""
+    return config.route_mixed and not split and not decode
+
+
 def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: int, *, split: bool,
                           max_model_len: int, dtype: str = "bfloat16", out_dtype: str | None = None,
                           config: AttentionConfig, decode: bool = False,
@@ -64,7 +71,17 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
     sequence s; the rows per program are the config's block_q, the warps, stages and register
     cap its bucket's size class's (decode_launch).
     fuse_merge: a split decode merges in the attention kernel (merges_in_kernel); False keeps
-    the merge launch."""
+    the merge launch.
+    routes_mixed: two launches of the one kernel, the decode variant over the sequences of one
+    query (grid: every sequence slot; the knobs of the decode buckets read whole) and the
+    prefill variant over the others, each returning at once for the other's sequences."""
+    if routes_mixed(config, split, decode):
+        kw = dict(split=False, max_model_len=max_model_len, dtype=dtype, out_dtype=out_dtype,
+                  config=replace(config, route_mixed=False), cache_dtype=cache_dtype)
+        one = paged_attention_specs(num_seqs, h, hkv, d, bs, num_seqs, decode=True, **kw)[0]
+        one = replace(one, constexprs={**one.constexprs, "ROUTE": True}, grid=(max(1, num_seqs), hkv, 1))
+        rest = paged_attention_specs(t, h, hkv, d, bs, num_seqs, **kw)[0]
+        return [one, replace(rest, constexprs={**rest.constexprs, "ROUTE": True})]
     check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
     check(config.tile >= 16 and config.tile == next_pow2(config.tile),
           "paged_attention: tile must be a power of 2 >= 16")
@@ -111,7 +128,8 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
     query_start_loc: i32[S+1] -> out: [T, H, D]. Split: workspace (ws_acc, ws_ml), and
     positions i32[T] for a merge launch or a zeroed counter i32[S, Hkv] for the merge in
     the kernel (merges_in_kernel); on the host each may be None. max_model_len defaults to
-    MB * BS. decode: one query per sequence (T == S), served by the decode kernel variant."""
+    MB * BS. decode: one query per sequence (T == S), served by the decode kernel variant.
+    config.route_mixed: a mixed batch in two launches (paged_attention_specs)."""
     q, cache, block_table, seq_lens, query_start_loc, out, positions, counter = map(
         as_buf, (q, cache, block_table, seq_lens, query_start_loc, out, positions, counter))
     t, h, d = shape_of(q)
@@ -166,10 +184,12 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, out=None, 
         counter = seq_lens  # unused (an i32 buffer, as the signature says)
     sq, sc, so = strides_of(q), strides_of(cache), strides_of(out)
     qk_scale = float(scale) * math.log2(math.e)
-    launch(specs[0], [q, sq[0], sq[1], cache, sc[0], sc[1], sc[2], sc[3], block_table, strides_of(block_table)[0],
-                      seq_lens, query_start_loc, s, out, so[0], so[1], ws_acc, ws_ml, counter, qk_scale,
-                      int(sliding_window)])
-    if split and not fused:  # n_rows_ptr = &query_start_loc[S]: the live token count
+    args = [q, sq[0], sq[1], cache, sc[0], sc[1], sc[2], sc[3], block_table, strides_of(block_table)[0],
+            seq_lens, query_start_loc, s, out, so[0], so[1], ws_acc, ws_ml, counter, qk_scale, int(sliding_window)]
+    launch(specs[0], args)
+    if routes_mixed(config, split, decode):
+        launch(specs[1], args)
+    elif split and not fused:  # n_rows_ptr = &query_start_loc[S]: the live token count
         launch(specs[1], [ws_acc, ws_ml, positions, tail(query_start_loc, s), out, so[0], so[1], int(sliding_window)])
     return out.array if getattr(out, "on_host", False) else out
 

@@ -52,6 +52,10 @@ def all_specs():
     for split in (False, True):  # split adds the merge kernel
         specs += paged_attention_specs(T, H, HKV, D, BS, S, split=split, max_model_len=8192,
                                        config=AttentionConfig())
+    # a mixed bucket's decode rows in a launch of the decode variant (the rest return before the
+    # PDL wait), the others in the prefill variant
+    specs += paged_attention_specs(T, H, HKV, D, BS, S, split=False, max_model_len=8192,
+                                   config=AttentionConfig(route_mixed=True))
     # a split decode merges in the attention kernel (atomic counter, L1-bypassing loads)
     specs += paged_attention_specs(S, H, HKV, D, BS, S, split=True, max_model_len=8192, config=AttentionConfig(),
                                    decode=True)

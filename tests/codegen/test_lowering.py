@@ -231,3 +231,36 @@ def test_decode_plan_merges_split_kv_in_the_attention_kernel():
     assert len(kernels) == len(decode) + cfg.num_hidden_layers and MERGE_COUNTER not in plain.regions.names
     for (a, _), (b, _), what in zip(got, plain.prefill_then_decode(), ("mixed", "decode")):
         assert same_bits(a, b), f"{what} step: merging in the attention kernel changed the logits"
+
+
+def _route_mixed(op, key):
+    return {"route_mixed": True} if op == "paged_attention" else None
+
+
+def test_routed_mixed_plan_gives_the_plain_plans_bits():
+    """config.route_mixed: the mixed bucket's sequences of one query in a launch of the decode
+    variant of their own, the rest in the prefill variant (two attention launches a layer; the
+    decode bucket keeps its one). After a prefill and a decode step, a mixed step of two decode
+    rows around a new prompt: the routed plan's logits are the unrouted plan's bits, and
+    numpy's numbers."""
+    cfg, graph, weights = _model("LlamaForCausalLM")
+    plain = _Plan(cfg, graph, weights, DEFAULT)
+    routed = _Plan(cfg, graph, weights, Configs(lookup=_route_mixed))
+    attn = lambda p, b: [(s.constexprs["DECODE"], s.constexprs.get("ROUTE", False))  # noqa: E731
+                         for s, _ in p.lowered[b] if s.kernel == "paged_attention_kernel"]
+    layers = cfg.num_hidden_layers
+    assert attn(routed, BUCKETS[1]) == [(True, True), (False, True)] * layers
+    assert attn(plain, BUCKETS[1]) == [(False, False)] * layers
+    assert [s for s, _ in routed.lowered[BUCKETS[0]]] == [s for s, _ in plain.lowered[BUCKETS[0]]]
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, 20).tolist()
+    steps = []
+    for p in (plain, routed):
+        (_, mixed), (_, decode) = p.prefill_then_decode()
+        a, c = int(decode[0].argmax()), int(decode[2].argmax())  # prompts of 5 and 17, one token each since
+        steps.append(p.step(BUCKETS[1], [SeqChunk([a], 6, [1, 2, 3]), SeqChunk(prompt, 0, [11, 12]),
+                                         SeqChunk([c], 18, [8, 9, 10])]))
+    (want, ref), (got, _) = steps
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+    assert same_bits(got, want), "routing the mixed step's decode rows changed the logits"

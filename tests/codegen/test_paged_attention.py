@@ -3,6 +3,7 @@ invariance of a token's output to how its queries are grouped (prefill chunk,
 chunked prefill, decode, split-KV or not, padded bucket)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -14,6 +15,7 @@ from kiln.graph import ops
 from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, require_interpreter, same_bits
 
 CFG = AttentionConfig(block_q=4, tile=16, seg=32, prefill_block_q=4)  # small seg: several segments per sequence
+ROUTED = dataclasses.replace(CFG, route_mixed=True)  # a mixed batch's decode rows in a launch of their own
 BS, NB, MB = 4, 128, 32
 
 
@@ -59,6 +61,10 @@ def test_mixed_batch_matches_reference(rng, h, hkv, d):
     out = run(q, cache, bt, sl, qsl)
     assert_close(out, ref, what="attention, f32 out")
     assert same_bits(run(q, cache, bt, sl, qsl, split=True), out), "split-KV changed the bits"
+    # a mixed bucket's two launches (its sequence of one query by the decode variant) write
+    # every row once, with the one-launch bits
+    routed = run(q, cache, bt, sl, qsl, out=np.full(q.shape, np.nan, np.float32), config=ROUTED)
+    assert same_bits(routed, out), "routing the decode row to the decode kernel changed the bits"
 
 
 @pytest.mark.parametrize("h,hkv,d", [(8, 2, 32), (6, 2, 48)])
@@ -76,6 +82,8 @@ def test_fp8_cache(rng, h, hkv, d):
     dec = run(np.ascontiguousarray(q[last]), cache, bt, sl, np.arange(len(seqs) + 1, dtype=np.int32),
               decode=True, split=True)
     assert same_bits(dec, out[last]), "the decode kernel differs from the prefill one"
+    routed = run(q, cache, bt, sl, qsl, out=np.full(q.shape, np.nan, np.float32), config=ROUTED)
+    assert same_bits(routed, out), "a routed mixed batch differs from the one launch"
 
 
 @pytest.mark.parametrize("cfg", [CFG, AttentionConfig(block_q=4, tile=16, seg=16, prefill_block_q=4)],
@@ -114,7 +122,6 @@ def test_rows_per_program_do_not_change_bits(rng):
     """Rows never mix (the row sums are P @ ones on the tensor core), so how many query
     positions a program takes is a schedule knob: prefill blocks of 4, 8 and 16 positions
     and the decode kernel give the same bits."""
-    import dataclasses
 
     h, hkv, d = 8, 2, 32
     q, cache, bt, sl, qsl = make_batch(rng, [(45, 23), (70, 70), (9, 1)], h, hkv, d)

@@ -192,6 +192,32 @@ def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_routed_mixed_batch_gives_its_decode_row_the_decode_kernels_bits_on_gpu(cache_dtype):
+    """AttentionConfig.route_mixed: in a mixed batch, the sequence of one query gets the decode
+    kernel's bits (a decode step's, also over an e4m3 cache, where the prefill kernel's differ:
+    FP8_NOT_INVARIANT), every other row the one launch's."""
+    rng = np.random.default_rng(3)
+    h, hkv, d, bs, nb, mb = 32, 8, 128, 16, 256, 48
+    cache = rand(rng, (nb, 2, bs, hkv, d), cache_dtype, scale=8.0 if cache_dtype == FP8 else 1.0)
+    perm = rng.permutation(nb)
+    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
+    seqs = [(90, 17), (400, 1), (700, 300)]
+    sl = np.array([L for L, _ in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
+    q = rand(rng, (int(qsl[-1]), h, d))
+    cfg = AttentionConfig()
+    full = attention(q, cache, bt, sl, qsl, False, cfg)
+    routed = attention(q, cache, bt, sl, qsl, False, dataclasses.replace(cfg, route_mixed=True))
+    one = int(qsl[1])
+    dec = attention(np.ascontiguousarray(q[one:one + 1]), cache, bt[1:2], sl[1:2], np.array([0, 1], np.int32),
+                    True, cfg, True)
+    assert same_bits(routed[one], dec[0]), "the routed decode row differs from a decode step's"
+    rest = np.arange(len(q)) != one
+    assert same_bits(routed[rest], full[rest]), "routing changed the other sequences' rows"
+    assert_close(routed, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
+
+
+@pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
 def test_attention_merge_in_kernel_gives_the_merge_launch_bits_on_gpu(cache_dtype):
     """A split decode merged in the attention kernel (the last segment program of each
     (sequence, KV head) to count itself in merges, then zeroes the counter) against the
