@@ -1,6 +1,7 @@
 """Paged attention alone on the GPU, across schedules: a decode batch and a prefill.
 
-    python bench/attn_sweep.py [--case decode256@1500|prefill2048|decode1@512|mixed512@1500+1536 ...] [--split auto|on|off]
+    python bench/attn_sweep.py [--case decode256@1500|prefill2048|decode1@512|mixed512@1500+1536|
+                                       decode512@1000-2000v ...] [--split auto|on|off] [--route]
                                [--cache-dtype bf16|fp8] [--module MOD] [--max-model-len N] --configs SPEC ...
                                [--json OUT]
 
@@ -47,7 +48,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512, "
-                    "mixed512@1500[+1536] (decode rows and a prompt chunk in the prefill kernel; repeatable)")
+                    "mixed512@1500[+1536] (decode rows and a prompt chunk in the prefill kernel), "
+                    "decode512@1000-2000[v] (lengths spread over a range, random or longest first); repeatable")
     ap.add_argument("--module", help="kernel module to launch instead of kiln's (A/B)")
     ap.add_argument("--split", choices=("auto", "on", "off"), default="auto", help="split-KV (decode)")
     ap.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: --kv-cache-dtype fp8")

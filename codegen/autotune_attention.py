@@ -71,14 +71,13 @@ def prefill_case(n: int, bucket: Bucket | None = None) -> AttentionCase:
     return AttentionCase(f"prefill{n}", (n,), (n,), t, s, False, False)
 
 
-def spread_case(seqs: int, lo: int, hi: int, ascending: bool = False, split: bool | None = None) -> AttentionCase:
+def spread_case(seqs: int, lo: int, hi: int, longest_first: bool = False, split: bool | None = None) -> AttentionCase:
     """A decode batch whose lengths spread evenly over lo..hi keys, in a seeded random order or
-    (ascending) shortest first, as the runner orders a step (model_runner.ModelRunner._chunks)."""
+    longest first, as the runner orders a step (model_runner.ModelRunner._chunks)."""
     lens = np.linspace(lo, hi, seqs).round().astype(int)
-    if not ascending:
-        lens = np.random.default_rng(0).permutation(lens)
+    lens = lens[::-1] if longest_first else np.random.default_rng(0).permutation(lens)
     split = split_kv(Bucket(seqs, seqs, seqs, True)) if split is None else split
-    return AttentionCase(f"decode{seqs}@{lo}-{hi}{'^' if ascending else ''}", tuple(int(n) for n in lens),
+    return AttentionCase(f"decode{seqs}@{lo}-{hi}{'v' if longest_first else ''}", tuple(int(n) for n in lens),
                          (1,) * seqs, seqs, seqs, True, split)
 
 
@@ -93,12 +92,12 @@ def mixed_case(seqs: int, keys: int, prompt: int = 0) -> AttentionCase:
 
 def parse_case(name: str, split: bool | None = None) -> AttentionCase:
     """decode256@1500 (256 sequences at 1,500 keys; @1500 is the default), decode1@512, prefill2048,
-    mixed512@1500[+1536] (mixed_case), decode512@1000-2000[^] (spread_case)."""
+    mixed512@1500[+1536] (mixed_case), decode512@1000-2000[v] (spread_case; v: longest first)."""
     if name.startswith("decode"):
         seqs, _, keys = name[len("decode"):].partition("@")
-        if "-" in keys:  # decode512@1000-2000[^]: spread_case
-            lo, _, hi = keys.rstrip("^").partition("-")
-            return spread_case(int(seqs), int(lo), int(hi), keys.endswith("^"), split)
+        if "-" in keys:  # decode512@1000-2000[v]: spread_case
+            lo, _, hi = keys.rstrip("v").partition("-")
+            return spread_case(int(seqs), int(lo), int(hi), keys.endswith("v"), split)
         return decode_case(int(seqs), int(keys or 1500), split)
     if name.startswith("mixed"):
         body, _, prompt = name[len("mixed"):].partition("+")

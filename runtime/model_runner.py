@@ -10,6 +10,7 @@ with `execute(inputs) -> {name: logits}` and `num_blocks`: numpy now, CUDA later
 """
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -67,7 +68,7 @@ class PendingOutput:
 
 @dataclass
 class StepPlan:
-    """The scheduled chunks of one step, in runner order (new requests, then cached ones)."""
+    """The scheduled chunks of one step, in runner order (longest context first: _chunks)."""
     ids: list[str]
     states: list[RunnerRequestState]
     rows: np.ndarray  # intp[n]: PersistentBatch rows
@@ -177,6 +178,19 @@ class ModelRunner:
         starts = np.array(starts, np.int64)
         lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, ids), np.int64, n)
         ends = starts + lens
+        if n > 1 and (ends[1:] > ends[:-1]).any():
+            # Longest context first. A decode step's attention is a program per (sequence, KV
+            # head), launched sequence fastest, each as long as its sequence's keys; the GPU
+            # starts programs in launch order, so the longest going first leaves the short ones
+            # to fill the tail (longest-processing-time-first). A list-scheduling model of 512
+            # sequences of 1,000-2,000 keys on 528 slots: 1.10x the ideal in a random order,
+            # 1.01x longest first. Rows never mix (batch invariance), so the order changes no
+            # token; the scheduler matches outputs by request id. Ties keep the scheduler's
+            # order, so a steady batch keeps one order (and its cached SamplingMetadata).
+            order = np.argsort(-ends, kind="stable")
+            pick = operator.itemgetter(*order.tolist())  # (n > 1: a tuple)
+            ids, states = list(pick(ids)), list(pick(states))
+            rows, starts, lens, ends = rows[order], starts[order], lens[order], ends[order]
         sample = ends >= self.batch.num_tokens[rows]
         all_logits = None
         if self._num_prompt_logprobs:

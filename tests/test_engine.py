@@ -45,6 +45,22 @@ def test_batched_equals_alone(tiny_dir, prompts, alone):
     assert tokens(engine(tiny_dir).generate(prompts, GREEDY)) == alone
 
 
+def test_steps_run_their_longest_sequences_first(tiny_dir, prompts, alone):
+    """The runner orders a step's sequences by context length, longest first (ModelRunner._chunks:
+    the attention's longest programs start first), and the tokens are still each prompt's alone."""
+    llm = engine(tiny_dir)
+    ex = llm.model.executor
+    seen, execute = [], ex.execute
+
+    def spy(inputs):
+        seen.append(np.asarray(inputs["seq_lens"]).copy())
+        return execute(inputs)
+    ex.execute = spy
+    assert tokens(llm.generate(prompts, GREEDY)) == alone
+    assert sum(len(set(sl.tolist())) > 1 for sl in seen) > 5  # steps with lengths to order
+    assert all((np.diff(sl) <= 0).all() for sl in seen), "a step ran a longer sequence after a shorter one"
+
+
 def test_chunked_prefill_small_budget_equals_alone(tiny_dir, prompts, alone):
     llm = engine(tiny_dir, max_num_batched_tokens=24, max_num_seqs=8)
     assert tokens(llm.generate(prompts, GREEDY)) == alone

@@ -237,9 +237,9 @@ def test_attention_cases_follow_the_bundle():
     assert parse_case("mixed8").lens == (1500,) * 8 and parse_case("mixed8").tokens == 8
     with pytest.raises(ValueError, match="mixed<S>"):
         parse_case("chunk8")
-    shuffled, ascending = parse_case("decode8@1000-2000"), parse_case("decode8@1000-2000^")  # spread lengths
-    assert ascending.lens == (1000, 1143, 1286, 1429, 1571, 1714, 1857, 2000)
-    assert sorted(shuffled.lens) == list(ascending.lens) and shuffled.lens != ascending.lens
+    shuffled, longest = parse_case("decode8@1000-2000"), parse_case("decode8@1000-2000v")  # spread lengths
+    assert longest.lens == (2000, 1857, 1714, 1571, 1429, 1286, 1143, 1000)
+    assert sorted(shuffled.lens) == sorted(longest.lens) and shuffled.lens != longest.lens
     assert shuffled == parse_case("decode8@1000-2000") and shuffled.decode and shuffled.counts == (1,) * 8
 
 
