@@ -16,7 +16,11 @@ the bundle's largest decode bucket with 1,500 keys per sequence (when it is read
 sequences (or that bucket, if smaller) at 1,500 keys, and batch 1 at 512 keys; a class with no
 case keeps the default's knobs. The split and one classes run with the decode winner's block_q
 (a second round). Prefill is timed at one prompt of 2,048 tokens (or max_num_batched_tokens) in
-the mixed bucket that holds it. One entry per head shape (h, hkv, d), whatever max_model_len.
+the mixed bucket that holds it. Last, AttentionConfig.route_mixed (a mixed bucket's decode rows in
+a launch of the decode variant) on the winners' knobs, off against on, at the largest mixed bucket
+filled as a throughput step fills it plus that prompt alone; without a bits check, since routing
+gives the decode rows the decode kernel's bits, which over an e4m3 cache are not the prefill
+kernel's. One entry per head shape (h, hkv, d), whatever max_model_len.
 """
 from __future__ import annotations
 
@@ -113,11 +117,14 @@ SPLIT_CASE_SEQS = 32  # the split class's case: this many sequences (or the larg
 
 
 def attention_cases(buckets: list[Bucket], max_model_len: int, *, keys: tuple[int, int] = (1500, 512),
-                    prompt: int = 2048) -> tuple[list[AttentionCase], AttentionCase]:
-    """-> (decode cases, prefill case) of a bundle: one decode case per size class it has
-    (decode_class_of): its largest decode bucket at keys[0] keys per sequence where that is read
-    whole, min(32, largest) sequences at keys[0] where that is split, batch 1 at keys[1]; and a
-    prompt of `prompt` tokens (at most the largest mixed bucket) in the mixed bucket that holds it."""
+                    prompt: int = 2048) -> tuple[list[AttentionCase], AttentionCase, AttentionCase | None]:
+    """-> (decode cases, prefill case, mixed case) of a bundle: one decode case per size class it
+    has (decode_class_of): its largest decode bucket at keys[0] keys per sequence where that is
+    read whole, min(32, largest) sequences at keys[0] where that is split, batch 1 at keys[1]; a
+    prompt of `prompt` tokens (at most the largest mixed bucket) in the mixed bucket that holds
+    it; and the largest mixed bucket full, as a throughput step fills it: as many decode rows at
+    keys[0] as its sequences allow beside a prompt chunk (at most half its tokens), the chunk
+    the rest (None where the bucket holds fewer than 2 sequences)."""
     top = max(b.seqs for b in buckets if b.decode)
     k0, k1 = min(keys[0], max_model_len), min(keys[1], max_model_len)
     cases = [decode_case(top, k0)]  # read whole, or (a small bundle) split, or one sequence
@@ -129,7 +136,11 @@ def attention_cases(buckets: list[Bucket], max_model_len: int, *, keys: tuple[in
             decode.append(c)
     mixed = [b for b in buckets if not b.decode]
     n = min(prompt, max(b.tokens for b in mixed), max_model_len)
-    return decode, prefill_case(n, pick_bucket(mixed, n, 1, 1))
+    top = max(mixed, key=lambda b: (b.tokens, b.seqs))
+    rows = min(top.seqs - 1, top.tokens // 2)
+    chunk = min(top.tokens - rows, max_model_len)
+    full = mixed_case(rows, k0, chunk) if rows >= 1 else None
+    return decode, prefill_case(n, pick_bucket(mixed, n, 1, 1)), full
 
 
 def decode_class_of(case: AttentionCase) -> str:
@@ -278,14 +289,16 @@ class AttentionTuner:
     def __init__(self, bench: Bench) -> None:
         self.bench, self.progress = bench, bench.progress
 
-    def tune(self, shapes: list[AttentionShape], decode: list[AttentionCase], prefill: AttentionCase) -> Schedules:
+    def tune(self, shapes: list[AttentionShape], decode: list[AttentionCase], prefill: AttentionCase,
+             mixed: AttentionCase | None = None) -> Schedules:
         sched = Schedules(self.bench.arch)
         for sh in shapes:
-            sched.entries.setdefault("paged_attention", []).append(self._tune(sh, decode, prefill))
+            sched.entries.setdefault("paged_attention", []).append(self._tune(sh, decode, prefill, mixed))
             self.bench.free_all()
         return sched
 
-    def _tune(self, sh: AttentionShape, decode: list[AttentionCase], prefill: AttentionCase) -> dict:
+    def _tune(self, sh: AttentionShape, decode: list[AttentionCase], prefill: AttentionCase,
+              mixed: AttentionCase | None = None) -> dict:
         default = DEFAULT.attention(sh.h, sh.hkv, sh.d, sh.max_model_len, sh.cache_dtype)
         cache = attention_cache_key(sh.cache_dtype)
         rigs: dict[AttentionCase, AttentionRig] = {}
@@ -308,15 +321,16 @@ class AttentionTuner:
         # its warps and stages where a class's knobs stay unset)
         second = lambda base: [(cls, [by_class[cls]], class_candidates(sh, base, cls))  # noqa: E731
                                for cls in ("split", "one") if cls in by_class]
-        n = sum(len(c) for _, _, c in first + second(default))
+        n = sum(len(c) for _, _, c in first + second(default)) + 2 * (mixed is not None)
         self.progress(f"paged_attention [{sh.h}, {sh.hkv}, {sh.d}]{f' ({cache} cache)' if cache else ''}: "
-                      f"{n} schedules over "
-                      f"{', '.join(c.name for c in decode + [prefill])} (tile {default.tile}, seg {default.seg})")
+                      f"{n} schedules over {', '.join(c.name for c in decode + [prefill] + [mixed] if c)} "
+                      f"(tile {default.tile}, seg {default.seg})")
         won = self.bench.best(trials(first))
         group = lambda phase: (sh.h, sh.hkv, sh.d, cache, phase)  # noqa: E731
         base = won[group("decode")].cand if "decode" in by_class else default
         won.update(self.bench.best(trials(second(base))))
         entry = {"h": sh.h, "hkv": sh.hkv, "d": sh.d, **({"cache": cache} if cache else {})}
+        tuned = default
         for phase, knobs, timing in (("decode", ATTENTION_DECODE_KNOBS, "us"),
                                      ("split", ATTENTION_SPLIT_KNOBS, "split_us"),
                                      ("one", ATTENTION_ONE_KNOBS, "one_us"),
@@ -324,10 +338,24 @@ class AttentionTuner:
             w = won.get(group(phase))
             cand = w.cand if w is not None else base if phase == "decode" else default  # no case: defaults
             entry.update({k: getattr(cand, k) for k in knobs if getattr(cand, k) is not None})  # unset: omitted
+            tuned = replace(tuned, **{k: getattr(cand, k) for k in knobs})
             if w is None:
                 continue
             entry[timing] = round(w.us, 2)
             was = f" (default {w.baseline_us:.1f} us)" if w.baseline_us is not None else ""
             self.progress(f"  {phase}: " + ", ".join(f"{k} {getattr(w.cand, k)}" for k in knobs)
                           + f": {w.us:.1f} us{was}")
+        if mixed is not None:
+            # round 3: the winners' knobs with and without route_mixed, timed at a mixed step (decode
+            # rows beside a prompt chunk) and the prompt alone (which pays the routed decode launch
+            # for nothing). No bits check: routing moves the decode rows to the decode kernel, whose
+            # bits differ from the prefill kernel's over an e4m3 cache (and are a decode step's).
+            rounds = [Trial(group("mixed"), c, lambda c=c: [replace(t, output=None) for t in timed(c, [mixed, prefill])],
+                            baseline=i == 0) for i, c in enumerate((tuned, replace(tuned, route_mixed=True)))]
+            w = self.bench.best(rounds)[group("mixed")]
+            if w.cand.route_mixed:
+                entry["route_mixed"] = True
+            entry["mixed_us"] = round(w.us, 2)
+            self.progress(f"  mixed ({mixed.name} + {prefill.name}): route_mixed {w.cand.route_mixed}: "
+                          f"{w.us:.1f} us (unrouted {w.baseline_us:.1f} us)")
         return entry

@@ -46,7 +46,7 @@ class ScheduleError(ValueError):
 # ops not named here (row and elementwise kernels) are keyed by their row width
 KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d", "cache")}
 ROW_KEY = ("width",)
-TIMINGS = {"us", "prefill_us", "split_us", "one_us"}
+TIMINGS = {"us", "prefill_us", "split_us", "one_us", "mixed_us"}
 NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "cache", "width"} | TIMINGS
 # op -> the file (family) its entries are written to; other ops: "rows"
 FAMILY = {"gemm_reduction": "gemm", "gemm_tile": "gemm", "paged_attention": "attention"}

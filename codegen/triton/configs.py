@@ -96,7 +96,7 @@ class AttentionConfig:
     # routes_mixed). Off: every row in the prefill variant's 64-row programs, a sixteenth of
     # them live for a decode row. Over an e4m3 cache routing also changes the decode rows'
     # bits to the decode steps' own (GPU_NOTES: 16- and 64-row programs round the f16 dots
-    # differently). Not swept by the tuner; a schedule sets it.
+    # differently). `build.py tune` times it off and on (autotune_attention, round 3).
     route_mixed: bool = False
 
 

@@ -219,17 +219,20 @@ def test_e4m3_prefill_candidates_keep_the_defaults_instruction():
 
 def test_attention_cases_follow_the_bundle():
     """One decode case per size class the bundle has: read whole, split, one sequence."""
-    decode, prefill = attention_cases(make_buckets(256, 2048), 131072)
+    decode, prefill, mixed = attention_cases(make_buckets(256, 2048), 131072)
     assert [(c.name, c.tokens, c.seqs, c.split) for c in decode] == [("decode256@1500", 256, 256, False),
                                                                     ("decode32@1500", 32, 32, True),
                                                                     ("decode1@512", 1, 1, True)]
     assert [decode_class_of(c) for c in decode] == ["decode", "split", "one"]
     assert (prefill.lens, prefill.tokens, prefill.seqs, prefill.decode) == ((2048,), 2048, 256, False)
-    decode, prefill = attention_cases(make_buckets(8, 512), 1024)  # a small bundle: its own limits
+    # the largest mixed bucket (2,048 tokens, 256 sequences) full: 255 decode rows and a chunk
+    assert (mixed.name, mixed.tokens, mixed.seqs, mixed.decode) == ("mixed255@1500+1793", 2048, 256, False)
+    assert parse_case(mixed.name) == mixed
+    decode, prefill, mixed = attention_cases(make_buckets(8, 512), 1024)  # a small bundle: its own limits
     assert [(c.lens[0], c.seqs, decode_class_of(c)) for c in decode] == [(1024, 8, "split"), (512, 1, "one")]
-    assert prefill.lens == (512,)
-    decode, _ = attention_cases(make_buckets(1, 512), 1024)  # batch 1 only
-    assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 1)]
+    assert prefill.lens == (512,) and (mixed.name, mixed.tokens, mixed.seqs) == ("mixed7@1024+505", 512, 8)
+    decode, _, mixed = attention_cases(make_buckets(1, 512), 1024)  # batch 1 only
+    assert [(c.lens[0], c.seqs) for c in decode] == [(1024, 1)] and mixed is None
     assert parse_case("decode4") == decode_case(4, 1500) and parse_case("prefill300").tokens == 300
     mixed = parse_case("mixed4@100+32")  # 4 decoding sequences and a 32-token first prompt chunk
     assert (mixed.lens, mixed.counts, mixed.tokens, mixed.seqs, mixed.decode, mixed.split) == (
@@ -243,13 +246,15 @@ def test_attention_cases_follow_the_bundle():
     assert shuffled == parse_case("decode8@1000-2000") and shuffled.decode and shuffled.counts == (1,) * 8
 
 
-def _attention_time(timed):
+def _attention_time(timed, routed_us=0.0):
     """Decode read whole: 4 warps and 3 stages are fastest, then fewer rows; split decode: 2 warps,
     4 stages, a cap of 128 registers; one sequence: 4 warps, 2 stages, no cap; prefill: a cap of
-    168 registers, then 32 positions, then fewer stages."""
+    168 registers, then 32 positions, then fewer stages. A routed launch (a mixed bucket's two)
+    adds routed_us."""
     us = 0.0
     for s in specs_of(timed):
         c = s.constexprs
+        us += routed_us * c.get("ROUTE", False)
         if s.kernel == "paged_attention_kernel" and c["DECODE"] and s.grid[0] == 1:
             us += 10 - (s.num_warps == 4) - (s.num_stages == 2) - (s.maxnreg is None)
         elif s.kernel == "paged_attention_kernel" and c["DECODE"] and c["SPLIT"]:
@@ -268,12 +273,13 @@ def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
     buckets = make_buckets(128, 256)  # the largest decode bucket runs unsplit, batch 1 split
     shapes = attention_shapes(graph, 16, 512)
     assert shapes == [AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, 16, 512)]
-    decode, prefill = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
+    decode, prefill, mixed = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
     bench = FakeBench(_attention_time)
-    sched = AttentionTuner(bench).tune(shapes, decode, prefill)
+    sched = AttentionTuner(bench).tune(shapes, decode, prefill, mixed)
     (entry,) = sched.entries["paged_attention"]
     bq0 = attention_block_q(4, 2, dataclasses.replace(DEFAULT.attention(4, 2, 16, 512), block_q=1), decode=True)
     assert entry.pop("us") > 0 and entry.pop("prefill_us") > 0
+    assert entry.pop("mixed_us") > 0  # routing lost (two launches of the prefill kernel's time): not written
     assert entry.pop("split_us") > 0 and entry.pop("one_us") > 0
     assert entry == {"h": 4, "hkv": 2, "d": 16, "block_q": bq0, "num_warps": 4, "num_stages": 3,
                      "split_num_warps": 2, "split_num_stages": 4, "split_maxnreg": 128,
@@ -292,9 +298,31 @@ def test_attention_tuner_picks_the_fastest_schedule_and_writes_only_its_knobs():
     assert not bench.mismatches
 
 
+def test_the_attention_tuner_routes_mixed_buckets_where_that_is_faster():
+    """Round 3: the winners' knobs with and without route_mixed at a full mixed step and the prompt
+    alone. Where the routed launches are faster, route_mixed is written, and a bundle's mixed plan
+    then launches the decode variant for its decode rows; the bits of the two may differ (an e4m3
+    cache), so a routed candidate whose outputs differ still wins."""
+    _, graph = tiny_graph()
+    decode, prefill, mixed = attention_cases(make_buckets(8, 256), 512, keys=(300, 100), prompt=200)
+    bench = FakeBench(lambda t: _attention_time(t, routed_us=-6.0),
+                      bits_fn=lambda t: b"routed" if specs_of(t)[0].constexprs.get("ROUTE") else b"plain")
+    sched = AttentionTuner(bench).tune(attention_shapes(graph, 16, 512), decode, prefill, mixed)
+    (entry,) = sched.entries["paged_attention"]
+    assert entry["route_mixed"] is True and entry["mixed_us"] > 0 and not bench.mismatches
+    got = Configs(lookup=sched.lookup).attention(4, 2, 16, 512)
+    assert got.route_mixed and got.prefill_maxnreg == 168  # with the other winners' knobs
+    kinds = [(s.constexprs["DECODE"], s.constexprs.get("ROUTE")) for s, _ in lowered(graph, Bucket(256, 8, 8, False),
+             make_buckets(8, 256), 512, configs=Configs(lookup=sched.lookup)) if s.kernel == "paged_attention_kernel"]
+    assert kinds == [(True, True), (False, True)] * 2  # two layers
+    timed_mixed = [t for t in bench.timed if any(s.grid[0] == mixed.seqs and s.constexprs.get("ROUTE")
+                                                 for s in specs_of(t))]
+    assert timed_mixed  # the routed decode launch ran over the mixed case's sequence slots
+
+
 def test_an_attention_schedule_that_changes_the_bits_is_reported_not_chosen():
     _, graph = tiny_graph()
-    decode, prefill = attention_cases(make_buckets(8, 256), 512, keys=(300, 100), prompt=200)
+    decode, prefill, _ = attention_cases(make_buckets(8, 256), 512, keys=(300, 100), prompt=200)
     def bits(timed):  # a decode kernel that computes something else with 4 warps
         main = specs_of(timed)[0]
         return b"bug" if main.constexprs["DECODE"] and main.num_warps == 4 else b"ok"
@@ -312,7 +340,7 @@ def test_the_attention_rig_times_the_kernels_a_bundle_runs(kv):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, kv_cache_dtype=kv))
     buckets = make_buckets(8, 256)
-    decode, prefill = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
+    decode, prefill, _ = attention_cases(buckets, 512, keys=(300, 100), prompt=200)
     bench = FakeBench(lambda t: 1.0)
     (shape,) = attention_shapes(graph, 16, 512)
     assert shape.cache_dtype == ("float8_e4m3fn" if kv else "bfloat16")

@@ -72,8 +72,10 @@ def test_tune_writes_attention_and_row_winners(tuned):
     assert timings | {"prefill_us"} <= set(entry) and not (set(classes.values()) - timings) & set(entry)
     caps = {"prefill_maxnreg"}  # unset (no cap won): not written
     assert {"h", "hkv", "d", *ATTENTION_DECODE_KNOBS, *(set(ATTENTION_PREFILL_KNOBS) - caps)} <= set(entry)
-    assert set(entry) <= {"h", "hkv", "d", "prefill_us", *classes.values(), *ATTENTION_DECODE_KNOBS,
-                          *ATTENTION_SPLIT_KNOBS, *ATTENTION_ONE_KNOBS, *ATTENTION_PREFILL_KNOBS}
+    assert "mixed_us" in entry  # the route_mixed round (route_mixed itself only where it won)
+    assert set(entry) <= {"h", "hkv", "d", "prefill_us", "mixed_us", "route_mixed", *classes.values(),
+                          *ATTENTION_DECODE_KNOBS, *ATTENTION_SPLIT_KNOBS, *ATTENTION_ONE_KNOBS,
+                          *ATTENTION_PREFILL_KNOBS}
     # every row op the plans launch: the SwiGLU epilogue (passes/fuse_gate_up_silu.py) leaves this
     # Llama no silu_mul launch, so nothing of it to tune
     assert "silu_mul" not in {n.op for n in _graph().nodes.values()}
@@ -88,8 +90,8 @@ def test_the_attention_winner_gives_the_default_bits(tuned, bench):
     (shape,) = attention_shapes(graph, 16, MAX_LEN)
     default = DEFAULT.attention(shape.h, shape.hkv, shape.d, MAX_LEN)
     won = Configs(lookup=sched.lookup).attention(shape.h, shape.hkv, shape.d, MAX_LEN)
-    decode, prefill = attention_cases(make_buckets(SEQS, TOKENS), MAX_LEN)
-    for case in decode + [prefill]:
+    decode, prefill, mixed = attention_cases(make_buckets(SEQS, TOKENS), MAX_LEN)
+    for case in decode + [prefill, mixed]:  # (a bf16 cache: routed or not, the same bits)
         rig = AttentionRig(bench, shape, case)
         outs = []
         for cfg in (default, won):
