@@ -227,21 +227,29 @@ class AttentionRig:
 # -- candidates ---------------------------------------------------------------------------
 def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
     """The default first, then rows per program (the fewest query positions that fill tl.dot's
-    16 rows, and twice that) x warps x stages; each schedule the kernel would see once."""
+    16 rows, and twice that) x warps x stages, and the fewest rows x warps x stages in key halves,
+    uncapped or under a 168-register cap; each schedule the kernel would see once."""
     bq0 = k_attn.attention_block_q(shape.h, shape.hkv, replace(default, block_q=1), decode=True)
     grid = [replace(default, block_q=bq, num_warps=w, num_stages=s)
             for bq in (bq0, 2 * bq0) for w in (2, 4) for s in (2, 3, 4)]
+    if default.tile // 2 >= 16:
+        grid += [replace(default, block_q=bq0, num_warps=w, num_stages=s, key_halves=2, maxnreg=r)
+                 for w in (2, 4) for s in (2, 3, 4) for r in (None, 168)]
     return _distinct(shape, [default] + grid, decode=True)
 
 
 def class_candidates(shape: AttentionShape, default: AttentionConfig, cls: str) -> list[AttentionConfig]:
     """A split or one-sequence decode class: the default first (its knobs unset: the decode
-    ones), then warps x stages x register cap, each schedule once (block_q: the default's)."""
-    grid = [replace(default, **{f"{cls}_num_warps": w, f"{cls}_num_stages": s, f"{cls}_maxnreg": r})
-            for w in (2, 4) for s in (2, 3, 4) for r in (None, 168, 128)]
+    ones), then warps x stages x register cap x key halves, each schedule once (block_q: the
+    default's)."""
+    halves = (None, 2) if default.tile // 2 >= 16 else (None,)
+    grid = [replace(default, **{f"{cls}_num_warps": w, f"{cls}_num_stages": s, f"{cls}_maxnreg": r,
+                                f"{cls}_key_halves": kh})
+            for w in (2, 4) for s in (2, 3, 4) for r in (None, 168, 128) for kh in halves]
     seen, out = set(), []
     for c in [default] + grid:
-        key = k_attn.decode_launch(c, 1 if cls == "one" else 2, cls == "split")
+        n, split = 1 if cls == "one" else 2, cls == "split"
+        key = k_attn.decode_launch(c, n, split) + (k_attn.decode_halves(c, n, split),)
         if key not in seen:
             seen.add(key)
             out.append(c)

@@ -70,6 +70,16 @@ class AttentionConfig:
     seg: int = 512        # keys per split-KV segment (a multiple of tile); segments fold in order
     num_warps: int = 2
     num_stages: int = 2
+    maxnreg: int | None = None  # a register cap for the decode buckets read whole (see below)
+    # Decode buckets read whole (split_/one_key_halves: those classes; none falls back on
+    # another): 2 loads and multiplies each tile's K and V as two halves of tile // 2 keys,
+    # chained through the dots' accumulators (the same sums in the same order:
+    # paged_attention._pv2), so half the operands are live at once. ptxas (sm_90, Llama-8B
+    # heads, tile 64) spills less: e4m3 read whole, 2 warps, 1,000 -> 728 bytes a thread; bf16
+    # 2 warps 4 stages 964 -> 236; the bf16 split class (2 warps, 3 stages, 168 registers)
+    # 2,120 -> 840. H200, e4m3, 512 sequences x 1,500 keys (a hand-written variant): 555 us
+    # whole, 521 in halves at 168 registers, 608 in halves uncapped. None: whole tiles.
+    key_halves: int | None = None
     # prefill and mixed buckets: 64-row programs (2,048-token prefill: 16-row programs spent
     # 2.7 ms a layer, mostly waiting on memory; 64-row ones 183 us with 2 stages, 219 with 3)
     prefill_block_q: int = 16
@@ -87,9 +97,11 @@ class AttentionConfig:
     split_num_warps: int | None = None
     split_num_stages: int | None = None
     split_maxnreg: int | None = None
+    split_key_halves: int | None = None  # as key_halves (below), for this class alone
     one_num_warps: int | None = None
     one_num_stages: int | None = None
     one_maxnreg: int | None = None
+    one_key_halves: int | None = None
     # Mixed buckets: their sequences of one query (the decode rows of a step that also runs a
     # prompt chunk) taken by a launch of the decode variant (16-row programs, the knobs of the
     # decode buckets read whole), the rest by the prefill variant (paged_attention_launch.
@@ -102,9 +114,9 @@ class AttentionConfig:
 
 # AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these
 # and nothing else: tile and seg are its reduction knobs)
-ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages")
-ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg")
-ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg")
+ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages", "maxnreg", "key_halves")
+ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg", "split_key_halves")
+ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg", "one_key_halves")
 ATTENTION_PREFILL_KNOBS = ("prefill_block_q", "prefill_num_warps", "prefill_num_stages", "prefill_maxnreg")
 
 

@@ -135,10 +135,26 @@ def _pv(p, v, ones, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _step(s, v, ones, first, last, M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE: tl.constexpr, INTERPRET: tl.constexpr):
+def _pv2(p0, v0, p1, v1, ones, acc, INTERPRET: tl.constexpr):
+    """_pv over a tile in two key halves (HALVES): each sum chained through the accumulator
+    of its first half's dot, so the tensor core adds the tile's k-chunks in the order one
+    dot over the whole tile does (the interpreter's model sums each half whole instead)."""
+    pv0 = p0.to(v0.dtype)
+    pv1 = p1.to(v1.dtype)
+    if INTERPRET:
+        rows = tl.sum(pv0.to(tl.float32), axis=1) + tl.sum(pv1.to(tl.float32), axis=1)
+        return rows, _interp_dot(pv1, v1, _interp_dot(pv0, v0, acc))
+    else:
+        return tl.max(tl.dot(pv1, ones, tl.dot(pv0, ones)), axis=1), tl.dot(pv1, v1, tl.dot(pv0, v0, acc))
+
+
+@triton.jit
+def _step(s, v, s1, v1, ones, first, last, M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE: tl.constexpr,
+          HALVES: tl.constexpr, INTERPRET: tl.constexpr):
     """One tile's online-softmax step on the segment state (m_i, l_i, acc), reset first when
     the tile opens a segment (`first`) and folded into (M, Ls, ACC) when it closes one
-    (`last`). s is unscaled (see below for where the scale goes)."""
+    (`last`). s is unscaled (see below for where the scale goes). HALVES == 2: the tile
+    comes as two key halves (s, v) and (s1, v1), the same values a whole tile's would be."""
     if ONE:  # SEG == TILE: every tile is a whole segment, always opened and closed
         # Scaled first: m_t goes straight into _fold's exp2(m_t - base), and a product
         # feeding a subtraction is one the compiler may or may not contract into an fma,
@@ -146,22 +162,35 @@ def _step(s, v, ones, first, last, M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE: tl.
         # test_triton_gpu.py's invariance test failed on the H200).
         s = s * qk_scale
         m_t = tl.max(s, axis=1)
+        if HALVES == 2:
+            s1 = s1 * qk_scale
+            m_t = tl.maximum(m_t, tl.max(s1, axis=1))
         base = tl.where(m_t == -float("inf"), 0.0, m_t)
         p = tl.exp2(s - base[:, None])  # masked -> exactly 0
-        l_t, acc_t = _pv(p, v, ones, tl.zeros_like(ACC), INTERPRET)
+        if HALVES == 2:
+            l_t, acc_t = _pv2(p, v, tl.exp2(s1 - base[:, None]), v1, ones, tl.zeros_like(ACC), INTERPRET)
+        else:
+            l_t, acc_t = _pv(p, v, ones, tl.zeros_like(ACC), INTERPRET)
         M, Ls, ACC = _fold(M, Ls, ACC, m_t, l_t, acc_t)
     else:
         # The row max scales exactly (rounding is monotone, the scale positive), and m_t
         # reaches the arithmetic only through max/compare, so it is never contracted;
         # exp2 takes an explicit fma(s, scale, -max): one op per score, not two.
-        m_t = tl.max(s, axis=1) * qk_scale
+        if HALVES == 2:
+            m_t = tl.maximum(tl.max(s, axis=1), tl.max(s1, axis=1)) * qk_scale
+        else:
+            m_t = tl.max(s, axis=1) * qk_scale
         m_i = tl.where(first, -float("inf"), m_i)
         m_new = tl.maximum(m_i, m_t)
         base = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.where(m_t > m_i, tl.exp2(m_i - base), 1.0)  # exactly 1 when nothing new
         alpha = tl.where(first, 0.0, alpha)  # a new segment: acc * 0 = 0 (acc is finite), l too
         p = tl.exp2(tl.fma(s, qk_scale, -base[:, None]))
-        l_t, acc = _pv(p, v, ones, acc * alpha[:, None], INTERPRET)
+        if HALVES == 2:
+            p1 = tl.exp2(tl.fma(s1, qk_scale, -base[:, None]))
+            l_t, acc = _pv2(p, v, p1, v1, ones, acc * alpha[:, None], INTERPRET)
+        else:
+            l_t, acc = _pv(p, v, ones, acc * alpha[:, None], INTERPRET)
         l_i = l_i * alpha + l_t
         m_i = m_new
         if last:  # folds once per segment, not once per tile
@@ -172,22 +201,31 @@ def _step(s, v, ones, first, last, M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE: tl.
 @triton.jit
 def _tiles(k_from, k_to, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
            qk_scale, ones, M, Ls, ACC, m_i, l_i, acc, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-           TILE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
-    """The tiles k0 = k_from, k_from + TILE, ... < k_to of the range [lo, hi), one software-pipelined loop."""
+           TILE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr, HALVES: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    """The tiles k0 = k_from, k_from + TILE, ... < k_to of the range [lo, hi), one software-pipelined loop.
+    HALVES == 2: each tile's K and V loaded and multiplied as two halves of TILE // 2 keys (half
+    the operands live at once), folded as one tile."""
     ONE: tl.constexpr = SEG == TILE
+    HALF: tl.constexpr = TILE // HALVES
     for k0 in range(k_from, k_to, TILE):
         s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-                       D, BLOCK_D, BS, TILE, MASKED, INTERPRET)
-        M, Ls, ACC, m_i, l_i, acc = _step(s, v, ones, (k0 == lo) | (k0 % SEG == 0),
+                       D, BLOCK_D, BS, HALF, MASKED, INTERPRET)
+        if HALVES == 2:
+            s1, v1 = _scores(q, pos, valid, k0 + HALF, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L,
+                             window, D, BLOCK_D, BS, HALF, MASKED, INTERPRET)
+        else:
+            s1, v1 = s, v
+        M, Ls, ACC, m_i, l_i, acc = _step(s, v, s1, v1, ones, (k0 == lo) | (k0 % SEG == 0),
                                           (k0 + TILE >= hi) | ((k0 + TILE) % SEG == 0),
-                                          M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE, INTERPRET)
+                                          M, Ls, ACC, m_i, l_i, acc, qk_scale, ONE, HALVES, INTERPRET)
     return M, Ls, ACC, m_i, l_i, acc
 
 
 @triton.jit
 def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
             D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-            SEG: tl.constexpr, INTERPRET: tl.constexpr):
+            SEG: tl.constexpr, HALVES: tl.constexpr, INTERPRET: tl.constexpr):
     """Tiles k0 = lo, lo + TILE, ... < hi (lo a multiple of TILE), segment by segment, from the
     empty state -> (M, Ls, ACC). Tiles below full_hi need no mask."""
     M = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -197,16 +235,16 @@ def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_c
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if INTERPRET:  # unused there (the interpreter has no bf16 constants)
-        ones = tl.full((TILE, 16), 1.0, tl.float32)
+        ones = tl.full((TILE // HALVES, 16), 1.0, tl.float32)
     else:
-        ones = tl.full((TILE, 16), 1.0, q.dtype)
+        ones = tl.full((TILE // HALVES, 16), 1.0, q.dtype)
     mid = tl.maximum(tl.minimum(full_hi, hi), lo)
     M, Ls, ACC, m_i, l_i, acc = _tiles(lo, mid, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv,
                                        stride_cp, L, window, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
-                                       D, BLOCK_D, BS, TILE, SEG, False, INTERPRET)
+                                       D, BLOCK_D, BS, TILE, SEG, False, HALVES, INTERPRET)
     M, Ls, ACC, m_i, l_i, acc = _tiles(mid, hi, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv,
                                        stride_cp, L, window, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
-                                       D, BLOCK_D, BS, TILE, SEG, True, INTERPRET)
+                                       D, BLOCK_D, BS, TILE, SEG, True, HALVES, INTERPRET)
     return M, Ls, ACC
 
 
@@ -218,7 +256,7 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
                            BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
                            SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr,
                            INTERPRET: tl.constexpr, MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
-                           ROUTE: tl.constexpr = False):
+                           ROUTE: tl.constexpr = False, HALVES: tl.constexpr = 1):
     # grid: (q-block bound, or S for DECODE, HKV, MAX_SEGS if SPLIT else 1)
     # ROUTE: one of a mixed bucket's two launches (DECODE: its sequences of one query; else the rest)
     # cnt_ptr (MERGE): i32[S, HKV], all 0 when the launch starts and when it ends
@@ -284,7 +322,7 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
             return
         M, Ls, ACC = _attend(q, pos, valid, tl.maximum(lo, z * SEG), tl.minimum(hi, (z + 1) * SEG), full_hi,
                              bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
-                             D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
+                             D, BLOCK_D, BS, BLOCK_M, TILE, SEG, HALVES, INTERPRET)
         ws = (tok * MAX_SEGS + z) * H + head  # ws_ml: f32[T, MAX_SEGS, H, 2], ws_acc: f32[T, MAX_SEGS, H, D]
         tl.store(ws_ml_ptr + ws * 2, M, mask=valid)
         tl.store(ws_ml_ptr + ws * 2 + 1, Ls, mask=valid)
@@ -294,7 +332,7 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
                            out_ptr, stride_ot, stride_oh, H, HKV, D, BLOCK_D, G_PAD, MAX_SEGS)
     else:
         M, Ls, ACC = _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L,
-                             window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, INTERPRET)
+                             window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, HALVES, INTERPRET)
         o = _finalize(Ls, ACC)
         dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)

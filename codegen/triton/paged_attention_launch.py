@@ -47,9 +47,15 @@ def decode_launch(config: AttentionConfig, num_seqs: int, split: bool) -> tuple[
     """-> (warps, stages, maxnreg) of a decode bucket: its class's knobs, the decode ones where unset."""
     cls = decode_class(num_seqs, split)
     if cls == "decode":
-        return config.num_warps, config.num_stages, None
+        return config.num_warps, config.num_stages, config.maxnreg
     warps, stages, cap = (getattr(config, f"{cls}_{k}") for k in ("num_warps", "num_stages", "maxnreg"))
     return warps or config.num_warps, stages or config.num_stages, cap
+
+
+def decode_halves(config: AttentionConfig, num_seqs: int, split: bool) -> int:
+    """Key halves a tile of a decode bucket's programs takes: its class's knob, 1 where unset."""
+    cls = decode_class(num_seqs, split)
+    return getattr(config, "key_halves" if cls == "decode" else f"{cls}_key_halves") or 1
 
 
 def merges_in_kernel(split: bool, decode: bool, fuse_merge: bool = True) -> bool:
@@ -87,6 +93,9 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
           "paged_attention: tile must be a power of 2 >= 16")
     check(not decode or t == num_seqs, f"paged_attention: a decode batch has one query per sequence "
           f"({t} queries, {num_seqs} sequences)")
+    halves = decode_halves(config, num_seqs, split) if decode else 1
+    check(halves in (1, 2) and config.tile // halves >= 16,
+          f"paged_attention: key_halves {halves} of a {config.tile}-key tile (1 or 2 halves of >= 16 keys)")
     bq = attention_block_q(h, hkv, config, decode)
     fused = merges_in_kernel(split, decode, fuse_merge)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
@@ -103,7 +112,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
                        qk_scale="fp32", window="i32"),
         constexprs=dict(H=h, HKV=hkv, D=d, BLOCK_D=next_pow2(d), BS=bs, G_PAD=next_pow2(h // hkv), BLOCK_Q=bq,
                         TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
-                        INTERPRET=False, MERGE=fused),
+                        INTERPRET=False, MERGE=fused, **({"HALVES": halves} if halves > 1 else {})),
         grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
         num_warps=warps, num_stages=stages, maxnreg=maxnreg,
         divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))

@@ -56,6 +56,9 @@ def all_specs():
     # PDL wait), the others in the prefill variant
     specs += paged_attention_specs(T, H, HKV, D, BS, S, split=False, max_model_len=8192,
                                    config=AttentionConfig(route_mixed=True))
+    # a decode batch read whole, its tiles in key halves under a register cap
+    specs += paged_attention_specs(S, H, HKV, D, BS, S, split=False, max_model_len=8192,
+                                   config=AttentionConfig(key_halves=2, maxnreg=168), decode=True)
     # a split decode merges in the attention kernel (atomic counter, L1-bypassing loads)
     specs += paged_attention_specs(S, H, HKV, D, BS, S, split=True, max_model_len=8192, config=AttentionConfig(),
                                    decode=True)

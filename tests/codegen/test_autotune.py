@@ -20,7 +20,8 @@ from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
 from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
 from kiln.codegen.triton.launch import cdiv
-from kiln.codegen.triton.paged_attention_launch import attention_block_q, decode_launch, paged_attention_specs
+from kiln.codegen.triton.paged_attention_launch import (attention_block_q, decode_halves, decode_launch,
+                                                            paged_attention_specs)
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -191,13 +192,15 @@ def test_decode_class_candidates_touch_only_their_class_knobs(cls):
     cands = class_candidates(shape, default, cls)
     assert cands[0] == default and len(cands) > 4
     seqs, split = (1, True) if cls == "one" else (32, True)
-    launches = [decode_launch(c, seqs, split) for c in cands]
+    launches = [decode_launch(c, seqs, split) + (decode_halves(c, seqs, split),) for c in cands]
     assert len(set(launches)) == len(cands)  # no schedule timed twice
+    assert {h for *_, h in launches} == {1, 2}  # whole tiles and key halves
     for c in cands:
         assert {f for f, v in dataclasses.asdict(c).items() if v != getattr(default, f)} <= {
-            f"{cls}_num_warps", f"{cls}_num_stages", f"{cls}_maxnreg"}
+            f"{cls}_num_warps", f"{cls}_num_stages", f"{cls}_maxnreg", f"{cls}_key_halves"}
         # the other classes launch as the default does
         assert decode_launch(c, 256, False) == decode_launch(default, 256, False)
+        assert decode_halves(c, 256, False) == 1
         other = (32, True) if cls == "one" else (1, True)
         assert decode_launch(c, *other) == decode_launch(default, *other)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kiln.codegen.triton.configs import AttentionConfig
-from kiln.codegen.triton.paged_attention_launch import paged_attention
+from kiln.codegen.triton.paged_attention_launch import paged_attention, paged_attention_specs
 from kiln.graph import ops
 from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, require_interpreter, same_bits
 
@@ -116,6 +116,37 @@ def test_decode_equals_prefill_bit_exact(rng, cfg):
         assert same_bits(dec[0], full[qsl[1] + n - 1])
         assert same_bits(dec[1], full[qsl[0] + 4])
         assert same_bits(dec[2], full[qsl[2] + 1])
+
+
+@pytest.mark.parametrize("seg", [64, 32], ids=["seg>tile", "seg==tile"])
+@pytest.mark.parametrize("cache_dtype", ["bf16", "fp8"])
+def test_decode_in_key_halves_matches_reference(rng, seg, cache_dtype):
+    """key_halves=2: a decode program loads and multiplies each 32-key tile as two 16-key halves
+    (masked tails, segments of one and several tiles; each decode class its own knob). Here the numbers;
+    the bits equal whole tiles' on the GPU only (the tensor core adds the halves' k-chunks in the
+    whole tile's order; the interpreter's dot model sums each half whole: test_triton_gpu.py)."""
+    h, hkv, d = 8, 2, 32
+    cache = rand(rng, (NB, 2, BS, hkv, d), FP8, scale=4.0) if cache_dtype == "fp8" else None
+    seqs = [(45, 1), (70, 1), (9, 1), (33, 1)]
+    q, cache, bt, sl, qsl = make_batch(rng, seqs, h, hkv, d, cache=cache)
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5)
+    whole = AttentionConfig(block_q=4, tile=32, seg=seg)
+    halves = dataclasses.replace(whole, key_halves=2)
+    spec = lambda cfg, split: paged_attention_specs(4, h, hkv, d, BS, 4, split=split, max_model_len=MB * BS,  # noqa: E731
+                                                    config=cfg, decode=True)[0].constexprs.get("HALVES", 1)
+    assert (spec(halves, False), spec(halves, True), spec(whole, False)) == (2, 1, 1)  # the split class: its own
+    split_halves = dataclasses.replace(whole, split_key_halves=2, one_key_halves=2)
+    assert (spec(split_halves, True), spec(split_halves, False)) == (2, 1)
+    for cfg, split in ((halves, False), (split_halves, True)):
+        got = run(q, cache, bt, sl, qsl, config=cfg, decode=True, split=split)
+        assert_close(got, ref, what=f"decode in key halves, split={split}")
+        assert_close(got, run(q, cache, bt, sl, qsl, config=whole, decode=True, split=split),
+                     what="halves vs whole tiles")
+    one = run(np.ascontiguousarray(q[1:2]), cache, bt[1:2], sl[1:2], np.array([0, 1], np.int32),
+              config=split_halves, decode=True, split=True)
+    assert_close(one, ref[1:2], what="one sequence in key halves")
+    with pytest.raises(ValueError, match="key_halves"):
+        run(q, cache, bt, sl, qsl, config=dataclasses.replace(halves, tile=16), decode=True)
 
 
 def test_rows_per_program_do_not_change_bits(rng):

@@ -186,6 +186,14 @@ def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
                     np.arange(6, dtype=np.int32), True, cls, True)
     assert same_bits(one[0], full[last]) and all(same_bits(dec[i], full[last]) for i in range(5)), \
         "a decode size class's knobs changed the bits"
+    # key halves (two dots chained through the accumulators) and the read-whole register cap too
+    halves = dataclasses.replace(cfg, key_halves=2, maxnreg=168, one_key_halves=2, split_key_halves=2)
+    if cfg.tile // 2 >= 16:
+        for n_seqs, split in ((1, True), (5, True), (5, False)):
+            dec = attention(np.ascontiguousarray(q[many[:n_seqs]]), cache, np.repeat(bt[1:2], n_seqs, 0),
+                            np.repeat(sl[1:2], n_seqs), np.arange(n_seqs + 1, dtype=np.int32), split, halves, True)
+            assert all(same_bits(dec[i], full[last]) for i in range(n_seqs)), \
+                f"key halves changed the bits ({n_seqs} sequences, split={split})"
     chunk = attention(np.ascontiguousarray(q[qsl[1] + 300:qsl[2]]), cache, bt[1:2], sl[1:2],
                       np.array([0, n - 300], np.int32), False, cfg)
     assert same_bits(chunk, full[qsl[1] + 300:qsl[2]]), "chunked prefill differs"
