@@ -15,8 +15,8 @@ one's of the same tile and seg: they must give the same bits (rows per program, 
 stages only group rows). Unlike the tuner, this sweeps tile and seg too (they change the
 sums: a model's choice, never a bucket's).
 
-A config is `tile,seg,block_q,warps,stages[,maxnreg]`; for prefill cases block_q/warps/stages are the
-prefill ones. --split: decode split-KV as a bundle's plan has it (auto), or forced.
+A config is `tile,seg,block_q,warps,stages[,maxnreg[,key_halves]]` (maxnreg 0: no cap; key_halves:
+decode cases, every size class); for prefill cases block_q/warps/stages are the prefill ones. --split: decode split-KV as a bundle's plan has it (auto), or forced.
 --cache-dtype fp8: the KV cache of --kv-cache-dtype fp8. --module points the launch at another
 copy of the kernel (an A/B). --route: a mixed case's decode rows in a launch of the decode variant
 (AttentionConfig.route_mixed), against the default of every row in the prefill variant.
@@ -38,7 +38,9 @@ H, HKV, D, BS = 32, 8, 128, 16
 def parse(spec: str, decode: bool) -> AttentionConfig:
     tile, seg, bq, warps, stages = (int(x) for x in spec.split(",")[:5])
     if decode:
-        return AttentionConfig(block_q=bq, tile=tile, seg=seg, num_warps=warps, num_stages=stages)
+        halves = int(spec.split(",")[6]) if len(spec.split(",")) > 6 else None  # every decode class's
+        return AttentionConfig(block_q=bq, tile=tile, seg=seg, num_warps=warps, num_stages=stages,
+                               key_halves=halves, split_key_halves=halves, one_key_halves=halves)
     return AttentionConfig(tile=tile, seg=seg, prefill_block_q=bq, prefill_num_warps=warps,
                            prefill_num_stages=stages)
 
@@ -86,7 +88,7 @@ def main() -> None:
         for spec in a.configs:
             cfg = dataclasses.replace(parse(spec, case.decode), route_mixed=a.route)
             timed = rig.timed(cfg)
-            cap = spec.split(",")[5:]  # a sixth field: the attention kernel's register cap (maxnreg)
+            cap = [c for c in spec.split(",")[5:6] if c != "0"]  # a sixth field: the kernel's register cap
             if cap:
                 for rep in timed.reps:
                     rep[:] = [(dataclasses.replace(s, maxnreg=int(cap[0])) if s.kernel == "paged_attention_kernel"

@@ -70,8 +70,10 @@ def test_tune_writes_attention_and_row_winners(tuned):
     classes = {"decode": "us", "split": "split_us", "one": "one_us"}
     timings = {classes[decode_class_of(c)] for c in attention_cases(make_buckets(SEQS, TOKENS), MAX_LEN)[0]}
     assert timings | {"prefill_us"} <= set(entry) and not (set(classes.values()) - timings) & set(entry)
-    caps = {"prefill_maxnreg"}  # unset (no cap won): not written
-    assert {"h", "hkv", "d", *ATTENTION_DECODE_KNOBS, *(set(ATTENTION_PREFILL_KNOBS) - caps)} <= set(entry)
+    unset = {"prefill_maxnreg", "maxnreg", "key_halves"}  # None where no cap or halves won: not written
+    assert {"h", "hkv", "d", *(set(ATTENTION_DECODE_KNOBS) - unset), *(set(ATTENTION_PREFILL_KNOBS) - unset)} \
+        <= set(entry)
+    assert all(entry[k] is not None for k in unset & set(entry))
     assert "mixed_us" in entry  # the route_mixed round (route_mixed itself only where it won)
     assert set(entry) <= {"h", "hkv", "d", "prefill_us", "mixed_us", "route_mixed", *classes.values(),
                           *ATTENTION_DECODE_KNOBS, *ATTENTION_SPLIT_KNOBS, *ATTENTION_ONE_KNOBS,
