@@ -268,7 +268,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         bench = Bench(ctx, args.target, progress=say)
     for family in families:
         if family == "gemm":
-            tuned = GemmTuner(bench).tune(gemm_problems(graph, buckets), objective=args.gemm_objective)
+            def known(n: int, k: int):
+                from kiln.codegen.triton.configs import GemmReduction
+                e = sched.lookup("gemm_reduction", (n, k))
+                return GemmReduction(**e) if e is not None else None
+            tuned = GemmTuner(bench).tune(gemm_problems(graph, buckets), objective=args.gemm_objective, known=known)
         elif family == "attention":
             tuned = AttentionTuner(bench).tune(attention_shapes(graph, args.block_size, max_len),
                                                *attention_cases(buckets, max_len))
@@ -332,10 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compile-only", action="store_true",
                    help="no GPU: compile the candidates into the cubin cache (KILN_CACHE_DIR) for a later GPU run; "
                         "writes nothing (GEMM stage 2 only for the first reduction of each weight)")
-    t.add_argument("--gemm-objective", choices=("balanced", "decode", "prefill"), default="balanced",
+    t.add_argument("--gemm-objective", choices=("balanced", "decode", "prefill", "keep"), default="balanced",
                    help="what each weight's GEMM reduction (BLOCK_K, split-K; one per weight, for batch "
-                        "invariance) is chosen for: decode (its smallest M), prefill (its largest), or "
-                        "balanced: the smallest sum of the two slowdowns")
+                        "invariance) is chosen for: decode (its smallest M), prefill (its largest), "
+                        "balanced: the smallest sum of the two slowdowns, or keep: the reductions already in "
+                        "schedules/<target>/gemm.yaml (only the tiles are re-tuned)")
     t.add_argument("--out", help="schedules root to write (default: the schedules/ folder of this checkout)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--max-num-seqs", type=int, default=256)

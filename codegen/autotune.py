@@ -18,8 +18,10 @@ schedules/<arch>/gemm.yaml entries.
 Invariance (DESIGN.md): the reduction knobs (BLOCK_K, SPLIT_K) are chosen once per
 weight (stage 1: each reduction's best tile at the weight's smallest M, the batch-1 decode
 step's pure weight stream, and at its largest, a prefill; the objective weighs the two), and
-every M then only varies the tile (BLOCK_M/BLOCK_N, warps, stages; stage 2), which never
-changes an element's sums.
+every M then only varies the tile (BLOCK_M/BLOCK_N, warps, stages, and above 16 rows the K
+block each program loads, GemmTile.block_k; stage 2), which never changes an element's sums:
+stage 2 reads every candidate's output back and refuses one whose bits differ from the
+weight's own K block's (`stage2_tiles`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import ctypes
 import math
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ml_dtypes
@@ -314,7 +316,7 @@ def reductions(k: int) -> list[GemmReduction]:
 # The tiles that rank the reductions at a weight's largest M (stage 1, objectives other
 # than decode): the wgmma tiles a 2,048-row prefill runs on the H200.
 PREFILL_TILES = [GemmTile(128, bn, 8, s) for bn in (128, 256) for s in (3, 4)]
-OBJECTIVES = ("balanced", "decode", "prefill")
+OBJECTIVES = ("balanced", "decode", "prefill", "keep")
 
 
 def tiles(m: int) -> list[GemmTile]:
@@ -327,6 +329,21 @@ def tiles(m: int) -> list[GemmTile]:
         return [GemmTile(bm, bn, 4, s) for bm in (32, 64) for bn in (32, 64, 128) for s in (3, 4)]
     return [GemmTile(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for s in (2, 3, 4)
             if not (bm == 64 and w == 8)]
+
+
+def stage2_tiles(m: int, k: int, red: GemmReduction) -> list[GemmTile]:
+    """Stage 2's candidates at M rows under the weight's reduction: tiles(m), and above 16 rows
+    the same tiles with the other K block (64 or 128) where it cuts every split into whole
+    blocks. The weight's own K block serves decode, where it sets the bytes in flight; a
+    prefill tile may want the other (BLOCK_K 128 leaves a 128 x 256 tile 2 stages of shared
+    memory where 64 leaves it 4). The K block moves no rounding (gemm.py), and the bits
+    check holds every candidate to that."""
+    base = tiles(m)
+    if m <= 16:
+        return base
+    per = -(-(-(-k // red.block_k)) // red.split_k) * red.block_k
+    other = [bk for bk in (64, 128) if bk != red.block_k and k % bk == 0 and (red.split_k == 1 or per % bk == 0)]
+    return base + [replace(t, block_k=bk) for bk in other for t in base]
 
 
 class _GemmRig:
@@ -354,24 +371,35 @@ class _GemmRig:
         y = Buf(ptr=self.y, shape=(m, p.n // 2 if g else p.n), dtype=self.out_dtype)
         tile = k_gemm.silu_tile(tile, g)  # as the bundle's lowering widens it
         ws = Buf(ptr=self.ws, shape=(red.split_k, m, p.n), dtype=np.float32) if red.split_k > 1 else None
+        nbytes = int(np.prod(y.shape)) * self.out_dtype.itemsize
+        # the last list's output (the same weight copy for every candidate): the bits check's
         return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
                              workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g)
-                      for r in range(REPS)])
+                      for r in range(REPS)], output=lambda: self.bench.read(self.y, nbytes))
 
 
 class GemmTuner:
     def __init__(self, bench: Bench) -> None:
         self.bench, self.arch, self.progress = bench, bench.arch, bench.progress
 
-    def tune(self, problems: list[GemmProblem], objective: str = "balanced") -> Schedules:
+    def tune(self, problems: list[GemmProblem], objective: str = "balanced",
+             known: Callable[[int, int], GemmReduction | None] | None = None) -> Schedules:
         """objective: what a weight's reduction (BLOCK_K, split-K) is chosen for. Batch invariance
         fixes it for every M, so the choice trades decode (smallest M, where split-K buys
         programs) against prefill (largest M, where it costs f32 partials): "decode" and
         "prefill" take the fastest at that end; "balanced" the smallest sum of the two
-        slowdowns against each end's fastest reduction."""
+        slowdowns against each end's fastest reduction; "keep" the reduction `known(n, k)`
+        gives (the committed schedules': stage 2 alone re-tunes the tiles), "balanced" for a
+        weight without one."""
         if objective not in OBJECTIVES:
             raise ValueError(f"unknown GEMM objective {objective!r} (known: {', '.join(OBJECTIVES)})")
         sched = Schedules(self.arch)
+        kept = {(p.n, p.k): r for p in problems
+                if objective == "keep" and known is not None and (r := known(p.n, p.k)) is not None}
+        for (n, k), r in kept.items():
+            self.progress(f"  [{n}, {k}]: keeping block_k {r.block_k}, split_k {r.split_k}")
+        problems, all_problems = [p for p in problems if (p.n, p.k) not in kept], problems
+        objective = "balanced" if objective == "keep" else objective
         rigs: dict[tuple, _GemmRig] = {}
 
         def rig(p: GemmProblem) -> _GemmRig:
@@ -414,17 +442,22 @@ class GemmTuner:
             for c in cands:
                 self.progress(f"    block_k {c.block_k} split_k {c.split_k}: "
                               + ", ".join(f"M={m} {us[m][c]:.1f} us" for m in at))
-        # 2. per weight and M: the tile, under the chosen reduction
-        trials = [Trial((p.n, p.k, m), t, lambda p=p, m=m, t=t: [rig(p).timed(m, t, reds[(p.n, p.k)])])
-                  for p in problems for m in p.ms for t in tiles(m)]
+        # 2. per weight and M: the tile, under the chosen reduction; the first candidate (the
+        # weight's own K block) gives the bits every other one must
+        reds.update(kept)
+        problems = all_problems
+        trials = [Trial((p.n, p.k, m), t, lambda p=p, m=m, t=t: [rig(p).timed(m, t, reds[(p.n, p.k)])],
+                        baseline=i == 0)
+                  for p in problems for m in p.ms
+                  for i, t in enumerate(stage2_tiles(m, p.k, reds[(p.n, p.k)]))]
         self.progress(f"stage 2: {len(trials)} tile candidates over {sum(len(p.ms) for p in problems)} "
                       f"(weight, M) pairs")
         for (n, k, m), w in sorted(self.bench.best(trials).items()):
             t = w.cand
             sched.entries.setdefault("gemm_tile", []).append(
                 {"m": m, "n": n, "k": k, "block_m": t.block_m, "block_n": t.block_n, "num_warps": t.num_warps,
-                 "num_stages": t.num_stages, "us": round(w.us, 2)})
-            self.progress(f"  [{n}, {k}] M={m}: {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} "
-                          f"{w.us:.1f} us")
+                 "num_stages": t.num_stages, **({"block_k": t.block_k} if t.block_k else {}), "us": round(w.us, 2)})
+            self.progress(f"  [{n}, {k}] M={m}: {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
+                          f"{f' block_k {t.block_k}' if t.block_k else ''} {w.us:.1f} us")
         self.bench.free_all()
         return sched

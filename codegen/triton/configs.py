@@ -1,13 +1,13 @@
 """Default launch configs per kernel, and the hook tuned schedules plug into.
 
 Two kinds of knobs, kept apart on purpose (DESIGN "Invariance by construction"):
-- reduction knobs change the order of floating-point sums: GEMM BLOCK_K and
-  SPLIT_K, attention TILE/SEG, a norm's BLOCK/num_warps. They are
-  chosen from the weight or model shape only, never from the bucket, so a token's
+- reduction knobs change the order of floating-point sums: GEMM SPLIT_K (and the
+  split boundaries its BLOCK_K sets), attention TILE/SEG, a norm's BLOCK/num_warps. They
+  are chosen from the weight or model shape only, never from the bucket, so a token's
   numbers do not depend on its batch.
-- schedule knobs (GEMM BLOCK_M/BLOCK_N/num_stages, attention rows per program and
-  warps, elementwise block sizes, split-KV on/off) may vary per bucket and may be tuned
-  freely.
+- schedule knobs (GEMM BLOCK_M/BLOCK_N/num_stages and the K block a program loads,
+  GemmTile.block_k; attention rows per program and warps, elementwise block sizes,
+  split-KV on/off) may vary per bucket and may be tuned freely.
 
 `Configs(lookup=...)` takes a callable `(op, key) -> dict | None` (schedules/ YAML
 reader, later); a miss falls back to the defaults below and says so once.
@@ -31,7 +31,7 @@ SMS = {"sm_90": 132, "sm_121": 48}  # streaming multiprocessors: H200, GB10
 @dataclass(frozen=True)
 class GemmReduction:
     """Per weight [N, K], for every bucket: the K order of every output element."""
-    block_k: int = 64
+    block_k: int = 64  # split-K's ranges are whole blocks of it; a tile's default K block (GemmTile.block_k)
     split_k: int = 1  # >1: partial sums over fixed K ranges, summed in order 0..S-1
 
 
@@ -45,6 +45,13 @@ class GemmTile:
     group_m: int = 8  # row blocks that walk W's column blocks together (L2 reuse of W)
     tma: bool | None = None  # load x and w through TMA descriptors (same bits); None: with_tma's rule
     fold: bool | None = None  # split-K added up inside each program (same bits); None: Configs.gemm_fold's rule
+    # The K block each program loads and multiplies at a time; None: the weight's reduction's
+    # (GemmReduction.block_k, which also sets where split-K's ranges start). The tensor core
+    # chains a block's K in k=16 steps through the accumulator, so the sums do not depend on
+    # it (H200: test_triton_gpu.py, 32/64/128 give the same rows); it sets the bytes in flight
+    # per stage and the shared memory a tile takes (BLOCK_K 128 leaves a 128 x 256 tile 2
+    # stages where 64 leaves it 4), so decode and prefill buckets want different ones.
+    block_k: int | None = None
 
 
 def with_tma(tile: GemmTile, arch: str) -> GemmTile:
@@ -181,8 +188,8 @@ class Configs:
           f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
           folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
         Never where a split is one K block (gemm.py says why)."""
-        blocks = -(-k // red.block_k)
-        if red.split_k == 1 or -(-blocks // red.split_k) < 2:  # K blocks per split, as gemm_specs cuts them
+        per_split = -(-(-(-k // red.block_k)) // red.split_k) * red.block_k  # K per split, as gemm_specs cuts it
+        if red.split_k == 1 or per_split < 2 * (tile.block_k or red.block_k):  # a split of one K block
             return False
         if tile.fold is not None:
             return tile.fold

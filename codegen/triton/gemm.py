@@ -4,14 +4,20 @@ One kernel serves decode (M <= 16: narrow BLOCK_N, many programs streaming W) an
 prefill (128x128 tiles). Both paths reduce K the same way, which is the invariance
 argument (DESIGN "Invariance by construction"):
 - every output element is `acc = tl.dot(x_blk, w_blk, acc)` over K blocks in
-  increasing order, one BLOCK_K per weight, fp32 accumulator chained through the
+  increasing order, the fp32 accumulator chained through the
   dot (never `acc += dot(...)`, which adds a rounding per block). A broadcast
   multiply + tl.sum cannot match the tensor core's bits, so there is no such path.
 - split-K (SPLIT_K > 1) cuts K into fixed ranges per weight, each written as an f32
   partial; `gemm_reduce_kernel` sums partials in order 0..S-1, then adds the bias.
   Where M gives enough tiles (prefill; Configs.gemm_fold), FOLD has each program
   compute its tile's splits one after the other, each from zero, and add them in the
-  same order in registers: the same bits, no partials, no reduce launch.
+  same order in registers: the same bits, no partials, no reduce launch. The splits'
+  ranges are whole blocks of the weight's BLOCK_K (GemmReduction.block_k).
+- the K block a program loads at a time (BLOCK_K here: GemmTile.block_k, else the
+  weight's) is a schedule knob on the GPU: tl.dot chains its K in k=16 steps through
+  the accumulator, so 32, 64 or 128 columns a block give the same sums in the same order.
+  The interpreter walks K one k=16 step at a time (_split_acc), so its bits do not depend
+  on BLOCK_K either.
 - TMA (sm_90, wgmma tiles) loads the same tiles through descriptors instead of pointers.
 - tile shape, warps and stages (GemmTile) only move elements between programs.
 So row i's output is the same bits for M=1 and M=37: tests/codegen proves it under
@@ -55,7 +61,8 @@ def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
         # rounding follows BLAS blocking, i.e. the tile shape. Model the tensor core
         # instead, where each element sums its K in one order whatever the tile: a
         # broadcast product reduced over the middle axis, which numpy accumulates in
-        # order k = 0, 1, ... (bf16 -> f32 is exact).
+        # order k = 0, 1, ... (bf16 -> f32 is exact). _split_acc hands it one k=16
+        # step at a time, as the tensor core chains them.
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
         return tl.dot(a, b, acc)
@@ -74,7 +81,10 @@ def _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, k_start
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):  # K blocks in increasing order: the invariant
+    # The interpreter walks K in the tensor core's k=16 steps, so BLOCK_K moves no rounding
+    # there either (on the GPU tl.dot chains those steps itself).
+    STEP: tl.constexpr = 16 if INTERPRET else BLOCK_K
+    for kk in range(0, K_PER_SPLIT, STEP):  # K blocks in increasing order: the invariant
         k0 = k_start + kk
         if TMA:
             # The same tiles in the same K order, loaded by the tensor memory accelerator: no
@@ -84,7 +94,7 @@ def _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, k_start
             a = x_desc.load([off_m, k0])  # [BM, BK]
             b = w_desc.load([off_n, k0]).T  # [BK, BN]
         else:
-            rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            rk = k0 + tl.arange(0, STEP)  # [BK]
             a = tl.load(x_rows + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
             b = tl.load(w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
         acc = _dot_acc(a, b, acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into the f32 accumulator
@@ -220,11 +230,15 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         check(not has_bias, "gemm: the SwiGLU epilogue takes no bias")
         check(n % (2 * silu_group) == 0 and tile.block_n % (2 * silu_group) == 0 and 128 % (2 * silu_group) == 0,
               f"gemm: the SwiGLU epilogue needs N ({n}) and BLOCK_N ({tile.block_n}) multiples of 2G = {2 * silu_group}")
-    k_per_split = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k
+    k_per_split = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k  # the weight's, whatever the tile
     check(red.split_k == 1 or k_per_split * (red.split_k - 1) < k, "gemm: split_k leaves a split empty")
+    bk = tile.block_k or red.block_k
+    check(bk % 16 == 0 and (red.split_k == 1 or k_per_split % bk == 0),
+          f"gemm: a tile's block_k ({bk}) must be a multiple of 16 that cuts each split's {k_per_split} "
+          f"columns into whole blocks")
     fold = bool(tile.fold) and red.split_k > 1
-    check(not fold or k_per_split >= 2 * red.block_k,
-          f"gemm: fold needs >= 2 K blocks per split (K={k}, block_k={red.block_k}, split_k={red.split_k})")
+    check(not fold or k_per_split >= 2 * bk,
+          f"gemm: fold needs >= 2 K blocks per split (K={k}, block_k={bk}, split_k={red.split_k})")
     t = sig_type
     # the hints launch.hint_ints would add (the autotuner compiles these specs directly)
     div = tuple(a for a, v in (("M", m), ("stride_xm", xs), ("stride_ym", ys)) if v % 16 == 0)
@@ -236,7 +250,7 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         signature={"x_ptr": t(x_dtype), "w_ptr": t(x_dtype), "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype),
                    "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k, FOLD=fold,
-                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=red.block_k,
+                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
                         GROUP_M=tile.group_m, TMA=tma, INTERPRET=False,
                         **({"SILU_GROUP": silu_group} if silu_group else {})),
         grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, 1 if fold else red.split_k),

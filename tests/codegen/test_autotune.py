@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from kiln.codegen.autotune import (PREFILL_TILES, DryBench, GemmTuner, Timed, Trial, _GemmRig, gemm_problems,
-                                   reductions, tiles)
+                                   reductions, stage2_tiles, tiles)
 from kiln.codegen.autotune_attention import (AttentionRig, AttentionShape, AttentionTuner, attention_cases,
                                               attention_shapes, decode_candidates, decode_case, parse_case,
                                               prefill_candidates, class_candidates, decode_class_of)
@@ -18,7 +18,8 @@ from kiln.codegen.autotune_rows import ROW_OPS, RowTuner, candidates
 from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
-from kiln.codegen.triton.configs import ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs
+from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs,
+                                         GemmReduction)
 from kiln.codegen.triton.launch import cdiv
 from kiln.codegen.triton.paged_attention_launch import (attention_block_q, decode_halves, decode_launch,
                                                             paged_attention_specs)
@@ -112,10 +113,42 @@ def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
                                                                             for m in p.ms}
     assert {e["block_n"] for e in sched.entries["gemm_tile"]} == {64}
     stage1 = sum(len(reductions(p.k)) * len(tiles(p.ms[0])) for p in problems)
-    assert len(bench.timed) == stage1 + sum(len(tiles(m)) for p in problems for m in p.ms)
-    for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose
+    red = dataclasses.replace(DEFAULT.gemm_reduction(256, 256), block_k=64, split_k=2)
+    assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, p.k, red)) for p in problems for m in p.ms)
+    for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose (its own K block or not)
         c = specs_of(t)[0].constexprs
-        assert (c["BLOCK_K"], c["SPLIT_K"]) == (64, 2)
+        assert c["SPLIT_K"] == 2 and c["K_PER_SPLIT"] == cdiv(cdiv(c["K"], 64), 2) * 64 and c["BLOCK_K"] in (64, 128)
+
+
+def test_gemm_stage_two_sweeps_the_k_block_above_decode_and_refuses_other_bits():
+    """Above 16 rows stage 2 also times each tile with the other K block (a schedule knob:
+    the same sums), where it cuts every split into whole blocks; a candidate whose output
+    differs from the weight's own K block's is refused, and a winner's block_k is written."""
+    red = GemmReduction(block_k=128, split_k=1)
+    assert stage2_tiles(16, 4096, red) == tiles(16)
+    assert stage2_tiles(2048, 4096, red) == tiles(2048) + [dataclasses.replace(t, block_k=64) for t in tiles(2048)]
+    assert stage2_tiles(2048, 14336, GemmReduction(128, 2)) == tiles(2048) + [  # 7,168 per split: whole 64s
+        dataclasses.replace(t, block_k=64) for t in tiles(2048)]
+    assert stage2_tiles(2048, 192, GemmReduction(64, 2)) == tiles(2048)  # 128 per split: no 128-wide block crosses
+    _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)
+    problems = [p for p in gemm_problems(graph, [Bucket(1, 1, 1, True), Bucket(64, 4, 4, False)])]
+
+    def time_fn(timed):  # block_k 128 reduces, and wins stage 1; at 64 rows block_k 64 is faster
+        c = specs_of(timed)[0].constexprs
+        return 10.0 - (c["BLOCK_K"] == 128 and c["SPLIT_K"] == 1) * (c["BLOCK_M"] <= 16) - (c["BLOCK_K"] == 64) * 0.5
+
+    sched = GemmTuner(FakeBench(time_fn)).tune(problems)
+    assert {e["block_k"] for e in sched.entries["gemm_reduction"]} == {128}
+    at = {e["m"]: e for e in sched.entries["gemm_tile"]}
+    assert "block_k" not in at[1] and at[64]["block_k"] == 64
+    assert Configs(sched.lookup).gemm_tile(64, problems[0].n, problems[0].k).block_k == 64  # compile reads it
+
+    def bits(timed):  # the 64-wide K block "changes the bits": never chosen, listed
+        return b"other" if specs_of(timed)[0].constexprs["BLOCK_K"] == 64 else b"same"
+    bench = FakeBench(time_fn, bits)
+    sched = GemmTuner(bench).tune(problems)
+    assert all("block_k" not in e for e in sched.entries["gemm_tile"])
+    assert bench.mismatches and all(c.block_k == 64 for _, c in bench.mismatches)
 
 
 @pytest.mark.parametrize("objective,split", [("decode", 4), ("prefill", 1), ("balanced", 2)])
@@ -146,7 +179,26 @@ def test_gemm_reduction_follows_the_objective(objective, split):
     # every stage-2 timing then reduces as stage 1 chose
     stage1 = len(reductions(8192)) * (len(tiles(1)) + (objective != "decode") * len(PREFILL_TILES))
     assert all(specs_of(t)[0].constexprs["SPLIT_K"] == split for t in bench.timed[stage1:])
-    assert len(bench.timed) == stage1 + sum(len(tiles(m)) for m in problems[0].ms)
+    red = GemmReduction(block_k=64, split_k=split)
+    assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, 8192, red)) for m in problems[0].ms)
+
+
+def test_gemm_objective_keep_re_tunes_only_the_tiles_under_the_known_reductions():
+    _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)
+    problems = gemm_problems(graph, [Bucket(1, 1, 1, True), Bucket(64, 4, 4, False)])
+    keep = GemmReduction(block_k=128, split_k=1)
+    first = problems[0]
+    bench = FakeBench(lambda timed: 1.0)
+    sched = GemmTuner(bench).tune(problems, objective="keep",
+                                  known=lambda n, k: keep if (n, k) == (first.n, first.k) else None)
+    # the known weight is not timed in stage 1 and keeps its (unwritten) entry; the others are tuned
+    assert {(e["n"], e["k"]) for e in sched.entries["gemm_reduction"]} == \
+        {(p.n, p.k) for p in problems} - {(first.n, first.k)}
+    stage2 = [t for t in bench.timed if specs_of(t)[0].constexprs["N"] == first.n
+              and specs_of(t)[0].constexprs["K"] == first.k]
+    assert len(stage2) == sum(len(stage2_tiles(m, p.k, keep)) for p in problems if (p.n, p.k) == (first.n, first.k)
+                              for m in p.ms)
+    assert all(specs_of(t)[0].constexprs["SPLIT_K"] == 1 for t in stage2)
 
 
 def test_the_gemm_rig_times_the_kernels_a_bundle_runs():

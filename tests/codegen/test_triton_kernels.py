@@ -54,8 +54,9 @@ def test_gemm_matches_reference(rng, bias, out_dtype, split):
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemm_row_is_invariant_to_batch(rng, split):
     """Row i alone (M=1, decode tile) and inside M=37 (prefill tile): the same bits,
-    because both reduce K in the same BLOCK_K order with the same split. f32 output,
-    so a reordered sum cannot hide behind the bf16 rounding."""
+    because both reduce K in the same order with the same split, whatever K block each
+    program loads (GemmTile.block_k: the interpreter, like the tensor core, chains k=16
+    steps). f32 output, so a reordered sum cannot hide behind the bf16 rounding."""
     m, n, k = 37, 96, 256
     x, w, b = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (n,))
     red = GemmReduction(block_k=64, split_k=split)
@@ -65,7 +66,10 @@ def test_gemm_row_is_invariant_to_batch(rng, split):
         one = gemm(x[i:i + 1], w, b, y(1), tile=DECODE, red=red)
         assert same_bits(one[0], full[i]), f"row {i} differs between M=1 and M=37"
     assert same_bits(gemm(x, w, b, y(m), tile=DECODE, red=red), full)
-    other = gemm(x, w, b, y(m), tile=PREFILL, red=GemmReduction(block_k=32, split_k=split))
+    for bk in (16, 32, 128):
+        assert same_bits(gemm(x, w, b, y(m), tile=replace(PREFILL, block_k=bk), red=red), full), \
+            f"block_k {bk} changed the bits"
+    other = gemm(x, w, b, y(m), tile=PREFILL, red=GemmReduction(block_k=64, split_k=3 - split))
     assert not same_bits(other, full), "the test cannot see a change of reduction order"
 
 
