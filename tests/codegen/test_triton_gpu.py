@@ -94,12 +94,13 @@ def test_gemm_rows_invariant_across_block_k(split, tma):
     """BLOCK_K is a schedule knob on sm_90 (GemmTile.block_k): the tensor core chains a tile's
     K in k=16 steps through the accumulator whatever BLOCK_K holds, so a row gets the same bits
     from 32-, 64- and 128-wide K blocks, in decode and prefill tiles, through TMA or pointers,
-    split-K folded or not (the splits' boundaries fixed by the weight's reduction). K = 1,088
-    is no multiple of 128: the last block is part zero-filled."""
+    split-K folded or not (the splits' boundaries fixed by the weight's reduction). Unsplit,
+    K = 1,088 is no multiple of 128 (the last block is part zero-filled); split in two, K =
+    1,280 gives each split 640 columns, whole blocks of all three widths."""
     from kiln.codegen.triton.gemm import gemm
 
     rng = np.random.default_rng(1)
-    m, n, k = 300, 512, 1088
+    m, n, k = 300, 512, 1088 if split == 1 else 1280
     x, w = rand(rng, (m, k)), rand(rng, (n, k))
     base = GemmReduction(64, split)
 
