@@ -281,28 +281,35 @@ class GemmProblem:
     has_bias: bool
     ms: list[int] = field(default_factory=list)  # the row counts to tune at
     silu_group: int = 0  # > 0: the gate/up GEMM with the SwiGLU epilogue (linear_silu_mul), as the bundle runs it
+    # a linear_add of this weight shape (o_proj, down): timed with the residual epilogue where the bundle
+    # adds it there (gemm.residual_in_epilogue; a last layer's plain linear of the shape takes the same tile)
+    residual: bool = False
 
 
 def gemm_problems(graph: Graph, buckets: list[Bucket]) -> list[GemmProblem]:
     """One problem per distinct weight shape; M = tokens (or logits rows for the LM head)
     of each bucket, reduced to the TUNED_MS that cover them."""
     found: dict[tuple, set[int]] = {}
+    residual: set[tuple] = set()
     for node in graph.topo_order():
-        if node.op not in ("linear", "linear_silu_mul"):
+        if node.op not in ("linear", "linear_silu_mul", "linear_add"):
             continue
         n, k = graph.tensors[node.inputs[1]].shape
         lead = graph.tensors[node.inputs[0]].shape[0]
         out = str(graph.tensors[node.outputs[0]].dtype)
-        has_bias = len(node.inputs) > 2 and bool(node.inputs[2])
+        has_bias = node.op == "linear" and len(node.inputs) > 2 and bool(node.inputs[2])  # (linear_add's 3rd: the residual)
         silu = node.attrs["group"] if node.op == "linear_silu_mul" else 0
         ms = found.setdefault((n, k, out, has_bias, silu), set())
+        if node.op == "linear_add":
+            residual.add((n, k, out, has_bias, silu))
         for b in buckets:
             ms.add(b.logits if lead == "L" else b.tokens)
     probs = []
     for (n, k, out, bias, silu), ms in sorted(found.items()):
         top = max(ms)
         cover = sorted({next((t for t in TUNED_MS if t >= m), top) for m in ms} | {top})
-        probs.append(GemmProblem(n, k, out, bias, [m for m in cover if m <= top], silu))
+        probs.append(GemmProblem(n, k, out, bias, [m for m in cover if m <= top], silu,
+                                 (n, k, out, bias, silu) in residual))
     return probs
 
 
@@ -360,6 +367,7 @@ class _GemmRig:
         self.out_dtype = np.dtype(np.float32) if prob.out_dtype == "f32" else BF16
         self.y = bench.malloc(m_max * n * self.out_dtype.itemsize)
         self.ws = bench.malloc(max(r.split_k for r in reductions(k)) * m_max * n * 4)
+        self.res = bench.buffer((m_max, n), self.out_dtype) if prob.residual else None
         self.n_rows: dict[int, Buf] = {}
 
     def timed(self, m: int, tile: GemmTile, red: GemmReduction) -> Timed:
@@ -372,9 +380,13 @@ class _GemmRig:
         tile = k_gemm.silu_tile(tile, g)  # as the bundle's lowering widens it
         ws = Buf(ptr=self.ws, shape=(red.split_k, m, p.n), dtype=np.float32) if red.split_k > 1 else None
         nbytes = int(np.prod(y.shape)) * self.out_dtype.itemsize
+        res = None
+        if p.residual and k_gemm.residual_in_epilogue(m, red.split_k, DEFAULT.gemm_fold(m, p.n, p.k, tile, red,
+                                                                                          self.bench.arch)):
+            res = Buf(ptr=self.res.ptr, shape=(m, p.n), dtype=self.out_dtype)
         # the last list's output (the same weight copy for every candidate): the bits check's
         return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
-                             workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g)
+                             workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g, residual=res)
                       for r in range(REPS)], output=lambda: self.bench.read(self.y, nbytes))
 
 

@@ -102,6 +102,7 @@ class _Lowerer:
                 if t:
                     self.users.setdefault(t, []).append(n)
         self.partials: dict[str, tuple[Buf, int]] = {}  # GEMM output -> (its unreduced split-K partials, S)
+        self.done: set[str] = set()  # nodes another op's launches already computed (op_linear_add's norm)
         regions.need("inputs", input_bytes(bucket, mb))
 
     def state_root(self, name: str) -> str:
@@ -167,6 +168,8 @@ class _Lowerer:
     def lower(self) -> list[tuple[KernelSpec, list[Any]]]:
         with recording() as launches:
             for node in self.g.topo_order():
+                if node.name in self.done:
+                    continue
                 fn = getattr(self, f"op_{node.op}", None)
                 if fn is None:
                     raise LoweringError(f"no GPU kernel for op {node.op!r} (node {node.name})")
@@ -237,6 +240,39 @@ class _Lowerer:
         ws = self.workspace("gemm_ws", (red.split_k, m, n)) if red.split_k > 1 and not fold else None
         k_gemm.gemm(self.buf(x), self.buf(w), None, out, n_rows=self.n_rows(node.outputs[0]), workspace=ws,
                     tile=tile, red=red, configs=self.configs, arch=self.arch, silu_group=g)
+
+    def op_linear_add(self, node) -> None:
+        """h = linear(x, w) + residual (passes/fuse_residual_into_linear.py). In the GEMM's epilogue
+        where its program stores y (no unfolded split-K) and the bucket has more than 16 rows;
+        otherwise the GEMM writes y (or its split-K partials) to a workspace and the norm of h is
+        launched right after it as add_rms_norm, which writes h too: the launches (and, at up to
+        16 rows, the plans) the graph had before the pass. The add is elementwise, the same bits
+        in either place (test_lowering.py)."""
+        x, w, res = node.inputs
+        out = self.buf(node.outputs[0])
+        n, k = self.g.tensors[w].shape
+        m = out.shape[0]
+        red, tile, fold = self._gemm_schedule(m, n, k)
+        if k_gemm.residual_in_epilogue(m, red.split_k, fold):
+            k_gemm.gemm(self.buf(x), self.buf(w), None, out, n_rows=self.n_rows(node.outputs[0]), tile=tile,
+                        red=red, configs=self.configs, arch=self.arch, residual=self.buf(res))
+            return
+        norms = [c for c in self.users.get(node.outputs[0], []) if c.op == "rms_norm" and c.inputs[0] == node.outputs[0]]
+        if len(norms) != 1:
+            raise LoweringError(f"{node.name}: linear_add's output needs one rms_norm reading it (has {len(norms)})")
+        norm = norms[0]
+        split = red.split_k if red.split_k > 1 and not fold else 0
+        if split:
+            y = self.workspace("gemm_ws_fused", (split, m, n))
+        else:
+            y = self.workspace("linear_add_y", (m, n), out.np_dtype)
+        k_gemm.gemm(self.buf(x), self.buf(w), None, out if split else y, n_rows=self.n_rows(node.outputs[0]),
+                    workspace=y if split else None, tile=tile, red=red, configs=self.configs, arch=self.arch,
+                    reduce=not split)
+        k_norm.add_rms_norm(y, self.buf(res), self.buf(norm.inputs[1]), self.buf(norm.outputs[0]), out,
+                            eps=norm.attrs["eps"], offset=norm.attrs.get("offset", 0.0),
+                            n_rows=self.n_rows(node.outputs[0]), configs=self.configs, x_split=split)
+        self.done.add(norm.name)
 
     def _reduced_by_norm(self, name: str) -> bool:
         users = self.users.get(name, [])

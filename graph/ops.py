@@ -260,6 +260,25 @@ def add_rms_norm(x, residual, w, *, eps: float, offset: float = 0.0):
     return rms_norm(s, w, eps=eps, offset=offset), s
 
 
+def _infer_linear_add(ins, attrs):
+    x, w, res = ins
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear_add: x has K={x.shape[-1]}, weight {w.name} has K={w.shape[1]}")
+    out = (*x.shape[:-1], w.shape[0])
+    if tuple(res.shape) != out or res.dtype != x.dtype:
+        raise ValueError(f"linear_add: the residual {res.name} is {res.dtype} {list(res.shape)}, the GEMM gives "
+                         f"{x.dtype} {list(out)}")
+    return [(x.dtype, out)]
+
+
+@OPS.register("linear_add", inputs=3, infer=_infer_linear_add)
+def linear_add(x, w, residual):
+    """linear(x, w) + residual, the GEMM's output rounded to x's dtype first, as linear's own
+    store does (passes/fuse_residual_into_linear.py): add_rms_norm's residual add moved into
+    the GEMM that produces its input."""
+    return add(linear(x, w), residual)
+
+
 def _infer_preamble(ins, attrs):
     return [(ins[0].dtype, ins[0].shape), (ins[3].dtype, ins[3].shape)]
 

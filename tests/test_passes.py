@@ -21,19 +21,23 @@ def test_pipeline_fuses_and_preserves_logits(tmp_path):
     weights = {t.name: rng.standard_normal(t.shape).astype(np.float32) * 0.2 for t in ref_graph.weights}
     fused = run_pipeline(build(cfg), dump_dir=tmp_path)
     ops = Counter(n.op for n in fused.nodes.values())
-    # every norm after a residual add, the final norm too once the logits gather moved above it
-    assert ops["add_rms_norm"] == 2 * 3 and ops["add"] == 0
+    # every norm after a residual add, the final norm too once the logits gather moved above it;
+    # then each residual add whose input a GEMM makes moved into that GEMM (fuse_residual_into_linear):
+    # all but the final norm's, whose inputs are the gathered rows
+    assert ops["add_rms_norm"] == 1 and ops["linear_add"] == 2 * 3 - 1 and ops["add"] == 0
     # silu(gate) * up became silu_mul, then the gate/up GEMM's epilogue (fuse_gate_up_silu.py)
     assert ops["linear_silu_mul"] == 3 and ops["silu_mul"] == ops["silu"] == ops["mul"] == 0
     assert ops["attention_preamble"] == 3 and ops["rope"] == ops["cache_write"] == 0
-    assert ops["rms_norm"] == 1  # the first layer's input norm reads the embedding, no add before it
+    # the first layer's input norm reads the embedding, no add before it; the others read linear_add's sum
+    assert ops["rms_norm"] == 1 + 2 * 3 - 1
     # q/k/v and gate/up each became one GEMM over a stacked weight; q/k/v sliced back into views
-    assert ops["linear"] == 3 * 3 + 1 and ops["slice_cols"] == 3 * 3
+    assert ops["linear"] == 3 * 3 + 1 - (2 * 3 - 1) and ops["slice_cols"] == 3 * 3
     assert {t.name for t in fused.weights if t.parts} >= {"model.layers.0.self_attn.q_proj+k_proj+v_proj.weight",
                                                           "model.layers.2.mlp.gate_proj+up_proj.weight"}
     assert {t.name: t.interleave for t in fused.weights if t.parts}["model.layers.2.mlp.gate_proj+up_proj.weight"] == 16
     assert (tmp_path / "04_fuse_add_rmsnorm.txt").read_text().count("add_rms_norm(") == 6
-    assert (tmp_path / "06_fuse_gate_up_silu.txt").read_text().count("linear_silu_mul(") == 3
+    assert (tmp_path / "05_fuse_residual_into_linear.txt").read_text().count("linear_add(") == 2 * 3 - 1
+    assert (tmp_path / "07_fuse_gate_up_silu.txt").read_text().count("linear_silu_mul(") == 3
     chunks = [SeqChunk(rng.integers(0, 256, n).tolist(), 0, [2 * i, 2 * i + 1]) for i, n in enumerate((3, 20, 9))]
     inputs = prepare_step(chunks, 16)
     a = CpuExecutor(ref_graph, weights.__getitem__, 8).execute(inputs)

@@ -116,10 +116,11 @@ def _silu_mul_epilogue(acc, dtype: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _store_tile(acc, bias_ptr, y_ptr, rm, off_n, M, stride_ym, N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_GROUP: tl.constexpr):
+def _store_tile(acc, bias_ptr, res_ptr, y_ptr, rm, off_n, M, stride_ym, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_GROUP: tl.constexpr, HAS_RES: tl.constexpr):
     """y = acc (+ bias), rounded to y's dtype; SILU_GROUP: the SwiGLU epilogue instead (no bias),
-    y having N / 2 columns."""
+    y having N / 2 columns. HAS_RES: y = that rounded value + res (res: [M, N], y's strides),
+    in f32 and rounded again: add_rms_norm's residual add, on the value the plain store writes."""
     if SILU_GROUP:  # (None where a compiled spec leaves it out: off)
         h = _silu_mul_epilogue(acc, y_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, SILU_GROUP)
         ro = off_n // 2 + tl.arange(0, BLOCK_N // 2)  # [BN / 2] columns of y
@@ -129,17 +130,21 @@ def _store_tile(acc, bias_ptr, y_ptr, rm, off_n, M, stride_ym, N: tl.constexpr, 
         rn = off_n + tl.arange(0, BLOCK_N)  # [BN] columns of y
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_RES:  # (None where a compiled spec leaves it out: off)
+            res = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
+def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
                 N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                SILU_GROUP: tl.constexpr = 0):
+                SILU_GROUP: tl.constexpr = 0, HAS_RES: tl.constexpr = False):
     n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
     pdl_enter(PDL)  # before any other global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K). Programs walk W's
@@ -182,7 +187,8 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_x
                                    N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
     rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of y
     if SPLIT_K == 1 or FOLD:
-        _store_tile(acc, bias_ptr, y_ptr, rm, off_n, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N, SILU_GROUP)
+        _store_tile(acc, bias_ptr, res_ptr, y_ptr, rm, off_n, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N,
+                    SILU_GROUP, HAS_RES)
     else:  # part: f32[SPLIT_K, M, N] (SILU_GROUP: still the interleaved columns; the reduce splits them)
         rn = off_n + tl.arange(0, BLOCK_N)  # [BN] columns of the partials
         p = part_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -206,7 +212,16 @@ def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc = acc + tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    _store_tile(acc, bias_ptr, y_ptr, rm, pid_n * BLOCK_N, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N, SILU_GROUP)
+    _store_tile(acc, bias_ptr, y_ptr, y_ptr, rm, pid_n * BLOCK_N, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N,
+                SILU_GROUP, False)
+
+
+def residual_in_epilogue(m: int, split_k: int, fold: bool) -> bool:
+    """Whether an [m, ...] linear_add adds its residual in the GEMM's epilogue: where the program
+    stores y itself (split-K 1 or folded) and above 16 rows. At up to 16 rows (decode) the
+    residual stays in the norm's launch, as add_rms_norm: there the norm's cost is its latency,
+    not its bytes, and the epilogue's residual load would sit at the end of the GEMM's chain."""
+    return m > 16 and (split_k == 1 or fold)
 
 
 def silu_tile(tile: GemmTile, group: int) -> GemmTile:
@@ -220,7 +235,7 @@ def silu_tile(tile: GemmTile, group: int) -> GemmTile:
 
 def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat16", has_bias=False,
                stride_xm: int | None = None, stride_ym: int | None = None,
-               tile: GemmTile, red: GemmReduction, silu_group: int = 0) -> list[KernelSpec]:
+               tile: GemmTile, red: GemmReduction, silu_group: int = 0, has_res: bool = False) -> list[KernelSpec]:
     """The launches of one GEMM: the main kernel, plus the ordered reduce when split-K, unless
     the tile folds the splits into the main kernel (`tile.fold`, resolved: Configs.gemm_fold).
     silu_group G > 0: the SwiGLU epilogue over a weight interleaved in groups of G rows (the
@@ -237,6 +252,8 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
           f"gemm: a tile's block_k ({bk}) must be a multiple of 16 that cuts each split's {k_per_split} "
           f"columns into whole blocks")
     fold = bool(tile.fold) and red.split_k > 1
+    check(not has_res or ((red.split_k == 1 or fold) and not silu_group and not has_bias),
+          "gemm: the residual epilogue needs the program to store y itself (no split-K partials), no SwiGLU, no bias")
     check(not fold or k_per_split >= 2 * bk,
           f"gemm: fold needs >= 2 K blocks per split (K={k}, block_k={bk}, split_k={red.split_k})")
     t = sig_type
@@ -244,15 +261,16 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
     div = tuple(a for a, v in (("M", m), ("stride_xm", xs), ("stride_ym", ys)) if v % 16 == 0)
     # TMA's global strides must be multiples of 16 bytes (pointers are 16-byte aligned: `divisible`)
     tma = bool(tile.tma) and xs % 16 == 0 and k % 16 == 0
-    ptrs = ("x_ptr", "w_ptr", "bias_ptr", "y_ptr", "part_ptr", "n_rows_ptr")
+    ptrs = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "y_ptr", "part_ptr", "n_rows_ptr")
     main = KernelSpec(
         module=__name__, kernel="gemm_kernel",
-        signature={"x_ptr": t(x_dtype), "w_ptr": t(x_dtype), "bias_ptr": t(x_dtype), "y_ptr": t(out_dtype),
+        signature={"x_ptr": t(x_dtype), "w_ptr": t(x_dtype), "bias_ptr": t(x_dtype), "res_ptr": t(out_dtype),
+                   "y_ptr": t(out_dtype),
                    "part_ptr": "*fp32", "n_rows_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k, FOLD=fold,
                         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
                         GROUP_M=tile.group_m, TMA=tma, INTERPRET=False,
-                        **({"SILU_GROUP": silu_group} if silu_group else {})),
+                        **({"SILU_GROUP": silu_group} if silu_group else {}), **({"HAS_RES": True} if has_res else {})),
         grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, 1 if fold else red.split_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
     if red.split_k == 1 or fold:
@@ -270,7 +288,7 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
 
 def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTile | None = None,
          red: GemmReduction | None = None, configs: Configs = DEFAULT, arch: str = "sm_90", reduce: bool = True,
-         silu_group: int = 0):
+         silu_group: int = 0, residual=None):
     """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
     out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
     when split-K and not folded. numpy arrays in -> interpreter; device buffers in -> all must
@@ -279,8 +297,11 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
     same bits. reduce=False (split-K only, not folded): leave the partials in the workspace for
     a consumer that reduces them itself (add_rms_norm's x_split). silu_group G > 0: w is a
     gate/up stack interleaved in groups of G rows (graph/layout.py) and out is
-    silu(gate) * up: [M, N / 2], the bits of this GEMM's gate and up columns through silu_mul."""
-    x, w, bias, out, n_rows, workspace = map(as_buf, (x, w, bias, out, n_rows, workspace))
+    silu(gate) * up: [M, N / 2], the bits of this GEMM's gate and up columns through silu_mul.
+    residual: [M, N] in out's dtype and strides (it may be `out` itself): out = y + residual, the
+    residual add of add_rms_norm on the value y would be (linear_add; the program must store y:
+    no unfolded split-K, no bias, no SwiGLU)."""
+    x, w, bias, out, n_rows, workspace, residual = map(as_buf, (x, w, bias, out, n_rows, workspace, residual))
     (m, k), (n, k2) = shape_of(x), shape_of(w)
     check(k == k2, f"gemm: x has K={k}, w has K={k2}")
     check_dtype(x, ("bfloat16", "float16", "float32"), "gemm x")
@@ -309,12 +330,16 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
             workspace = as_buf(np.empty((red.split_k, m, n), dtype=np.float32))
         check_shape(workspace, (red.split_k, m, n), "gemm workspace")
         check_dtype(workspace, ("float32",), "gemm workspace")
+    if residual is not None:
+        check(shape_of(residual) == shape_of(out) and dtype_name(residual) == dtype_name(out)
+              and strides_of(residual) == strides_of(out), "gemm: the residual must have out's shape, dtype and strides")
     specs = gemm_specs(m, n, k, x_dtype=dtype_name(x), out_dtype=dtype_name(out), has_bias=bias is not None,
                        stride_xm=strides_of(x)[0], stride_ym=strides_of(out)[0], tile=tile, red=red,
-                       silu_group=silu_group)
+                       silu_group=silu_group, has_res=residual is not None)
     b = bias if bias is not None else out  # unused when HAS_BIAS is False
+    r = residual if residual is not None else out  # unused without HAS_RES
     ws = workspace if workspace is not None else out
-    launch(specs[0], [x, w, b, out, ws, n_rows, m, strides_of(x)[0], strides_of(out)[0]])
+    launch(specs[0], [x, w, b, r, out, ws, n_rows, m, strides_of(x)[0], strides_of(out)[0]])
     if len(specs) > 1 and reduce:
         launch(specs[1], [ws, b, out, n_rows, m, strides_of(out)[0]])
     return out.array if getattr(out, "on_host", False) else out

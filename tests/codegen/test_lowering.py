@@ -51,11 +51,11 @@ def _fold_mixed(op, key):
     return {"fold": key[0] > 16} if op == "gemm_tile" else _split_everything(op, key)
 
 
-def _model(arch, fuse_silu=True):
+def _model(arch, fuse_silu=True, fuse_residual=True):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "num_hidden_layers": 2,
                                     "max_position_embeddings": MAX_LEN})
     graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS),
-                         default_passes(fuse_silu=fuse_silu))
+                         default_passes(fuse_silu=fuse_silu, fuse_residual=fuse_residual))
     rng = np.random.default_rng(0)
     weights = {n: (rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 1.5 / shape[-1] ** 0.5)
                    + (1.0 if n.endswith("norm.weight") else 0.0)).astype(to_numpy(DType.bf16))
@@ -199,6 +199,30 @@ def test_fused_swiglu_plan_gives_the_unfused_plans_bits(configs):
     for (got, _), (want, _), what in zip(fused.prefill_then_decode(), plain.prefill_then_decode(),
                                          ("mixed", "decode")):
         assert same_bits(got, want), f"{what} step: the fused SwiGLU plan's logits differ from the unfused plan's"
+
+
+@pytest.mark.parametrize("configs", ["default", "split", "fold"])
+def test_residual_epilogue_plan_gives_the_unfused_plans_bits(configs):
+    """passes/fuse_residual_into_linear.py: o_proj and down add the residual in their epilogue
+    where the bucket has more than 16 rows and the program stores y (the mixed bucket, unless
+    split-K is left unfolded); elsewhere the norm's launch adds it as before. Against the graph
+    without the pass, the logits of a padded mixed step and of the decode step after it are the
+    same bits, and the decode bucket's plan is the same launches."""
+    lookup = {"default": None, "split": _split_everything, "fold": _fold_mixed}[configs]
+    cfg, fused_graph, w = _model("LlamaForCausalLM")
+    _, plain_graph, _ = _model("LlamaForCausalLM", fuse_residual=False)
+    assert sum(n.op == "linear_add" for n in fused_graph.nodes.values()) == 2 * cfg.num_hidden_layers - 1
+    fused = _Plan(cfg, fused_graph, w, Configs(lookup=lookup))
+    plain = _Plan(cfg, plain_graph, w, Configs(lookup=lookup))
+    for b in BUCKETS:
+        res = [spec for spec, _ in fused.lowered[b] if spec.constexprs.get("HAS_RES")]
+        epilogue = not b.decode and configs != "split"  # 64 rows; split-K unfolded leaves it to the norm
+        assert len(res) == (2 * cfg.num_hidden_layers - 1 if epilogue else 0)
+        kernels = lambda plan: [spec.kernel for spec, _ in plan.lowered[b]]
+        assert kernels(fused) == kernels(plain) if not epilogue else len(kernels(fused)) == len(kernels(plain))
+    for (got, _), (want, _), what in zip(fused.prefill_then_decode(), plain.prefill_then_decode(),
+                                         ("mixed", "decode")):
+        assert same_bits(got, want), f"{what} step: the residual-epilogue plan's logits differ from the unfused plan's"
 
 
 def _small_segments(op, key):

@@ -126,6 +126,28 @@ def test_gemm_rows_invariant_across_block_k(split, tma):
 
 
 @pytest.mark.parametrize("tma", [False, True])
+def test_gemm_residual_epilogue_gives_gemm_then_add_bits_on_gpu(tma):
+    """The residual epilogue (linear_add) against the plain GEMM's bf16 output plus the residual,
+    as add_rms_norm_kernel adds them: the same bits, decode and prefill tiles, split-K folded."""
+    from kiln.codegen.triton.gemm import gemm
+    from kiln.codegen.triton.rms_norm import add_rms_norm
+
+    rng = np.random.default_rng(2)
+    m, n, k = 300, 512, 1024
+    x, w, r, g = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (m, n)), rand(rng, (n,))
+    nr = torch.tensor([m], dtype=torch.int32, device="cuda")
+    for name, split, fold in (("decode", 1, False), ("prefill", 1, False), ("prefill", 2, True)):
+        tile, red = dataclasses.replace(TILES[name], tma=tma, fold=fold), GemmReduction(64, split)
+        y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        gemm(dev(x), dev(w), None, y, n_rows=nr, tile=tile, red=red)
+        want = torch.empty_like(y)
+        add_rms_norm(y, dev(r), dev(g), torch.empty_like(y), want, eps=1e-6, n_rows=nr)
+        got = dev(r)  # in place, as a plan may place the sum over the residual
+        gemm(dev(x), dev(w), None, got, n_rows=nr, tile=tile, red=red, residual=got)
+        assert same_bits(host(got), host(want)), f"{name} tile, split {split}, tma={tma}: bits differ"
+
+
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemm_silu_epilogue_gives_gemm_then_silu_mul_bits_on_gpu(split, tma):
     """The SwiGLU epilogue (gemm silu_group=16 over the interleaved gate/up stack) against the

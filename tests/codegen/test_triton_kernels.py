@@ -73,6 +73,25 @@ def test_gemm_row_is_invariant_to_batch(rng, split):
     assert not same_bits(other, full), "the test cannot see a change of reduction order"
 
 
+@pytest.mark.parametrize("split,fold", [(1, False), (2, True)])
+def test_gemm_residual_epilogue_gives_gemm_then_add_bits(rng, split, fold):
+    """gemm(residual=r) stores bf16(bf16(x @ w) + r): linear then add_rms_norm's residual add, on
+    the rounded value the plain store writes (linear_add). Also in place (r is the output)."""
+    m, n, k = 37, 96, 256
+    x, w, r = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (m, n))
+    red = GemmReduction(block_k=64, split_k=split)
+    for tile in (DECODE, PREFILL):
+        tile = replace(tile, fold=fold)
+        y = gemm(x, w, None, np.empty((m, n), BF16), tile=tile, red=red)
+        got = gemm(x, w, None, np.empty((m, n), BF16), tile=tile, red=red, residual=r)
+        assert same_bits(got, ops.add(y, r)), f"{tile}: the residual epilogue differs from gemm + add"
+        inplace = r.copy()
+        assert same_bits(gemm(x, w, None, inplace, tile=tile, red=red, residual=inplace), got)
+    with pytest.raises(ValueError, match="residual epilogue"):  # unfolded partials: the norm adds it
+        gemm(x, w, None, np.empty((m, n), BF16), tile=replace(PREFILL, fold=False), red=GemmReduction(64, 2),
+             residual=r)
+
+
 @pytest.mark.parametrize("split,bias", [(2, True), (4, False)])
 def test_gemm_fold_gives_the_reduce_kernels_bits(rng, split, bias):
     """FOLD: each program computes its tile's K splits one after the other, each from zero, and
