@@ -225,6 +225,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def committed_reduction(sched, n: int, k: int):
+    """The GEMM reduction the schedules hold for a weight [n, k] (--gemm-objective keep), or None."""
+    from kiln.codegen.triton.configs import GemmReduction
+
+    e = sched.lookup("gemm_reduction", (n, k))
+    return GemmReduction(**e) if e is not None else None
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """Sweep kernel schedules for a model's buckets on this machine's GPU; write schedules/<target>/<family>.yaml."""
     from kiln.codegen.autotune import Bench, DryBench, GemmTuner, gemm_problems
@@ -268,11 +276,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         bench = Bench(ctx, args.target, progress=say)
     for family in families:
         if family == "gemm":
-            def known(n: int, k: int):
-                from kiln.codegen.triton.configs import GemmReduction
-                e = sched.lookup("gemm_reduction", (n, k))
-                return GemmReduction(**e) if e is not None else None
-            tuned = GemmTuner(bench).tune(gemm_problems(graph, buckets), objective=args.gemm_objective, known=known)
+            tuned = GemmTuner(bench).tune(gemm_problems(graph, buckets), objective=args.gemm_objective,
+                                          known=lambda n, k: committed_reduction(sched, n, k))
         elif family == "attention":
             tuned = AttentionTuner(bench).tune(attention_shapes(graph, args.block_size, max_len),
                                                *attention_cases(buckets, max_len))

@@ -188,7 +188,8 @@ class Configs:
           f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
           folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
         Never where a split is one K block (gemm.py says why)."""
-        per_split = -(-(-(-k // red.block_k)) // red.split_k) * red.block_k  # K per split, as gemm_specs cuts it
+        blocks = -(-k // red.block_k)
+        per_split = -(-blocks // red.split_k) * red.block_k  # K columns per split, as gemm_specs cuts them
         if red.split_k == 1 or per_split < 2 * (tile.block_k or red.block_k):  # a split of one K block
             return False
         if tile.fold is not None:
