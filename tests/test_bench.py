@@ -189,9 +189,9 @@ def test_plot_and_table(tmp_path):
 def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
     """bench/gpu_shape_decode.py --gemm-fold compiles the model in-process with a Configs whose
     gemm_tile lookup carries the flag: `off` keeps every split-K GEMM's partials, `auto` folds
-    those of the Llama-3.1-8B prefill where Configs.gemm_fold's rule says so (with the tuned
-    schedules: down, split-K 2 on 128x128 tiles at 2,048 tokens), never a decode step's. The
-    TMA flag still reaches the same tiles."""
+    those of the Llama-3.1-8B prefill where Configs.gemm_fold's rule says so (down's split-K 2 on
+    128x128 tiles at 2,048 tokens; the tuned 128x256 tile has too many accumulators a thread to
+    fold), never a decode step's. The TMA flag still reaches the same tiles."""
     from argparse import Namespace
 
     from kiln.bench.gpu_shape_decode import _lookup
@@ -200,15 +200,18 @@ def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
     args = Namespace(untuned=False, attn_block_q=None, attn_warps=None, attn_stages=None, attn_maxnreg=None,
                      gemm_tma="off", gemm_fold=fold)
     configs = Configs(lookup=_lookup(args))
-    by_rule = []
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # q/k/v, o_proj, down
         red = configs.gemm_reduction(n, k)
         prefill, decode = configs.gemm_tile(2048, n, k), configs.gemm_tile(1, n, k)
-        by_rule.append(configs.gemm_fold(2048, n, k, replace(prefill, fold=None), red))
-        assert configs.gemm_fold(2048, n, k, prefill, red) is (fold == "auto" and by_rule[-1])
+        assert prefill.fold is (False if fold == "off" else None)  # off: never; auto: the rule's
+        by_rule = configs.gemm_fold(2048, n, k, replace(prefill, fold=None), red)
+        assert configs.gemm_fold(2048, n, k, prefill, red) is (fold == "auto" and by_rule)
         assert not configs.gemm_fold(1, n, k, decode, red)
         assert prefill.tma is False
-    assert any(by_rule), "the tuned schedules leave the A/B nothing to fold"
+    n, k = 4096, 14336  # a tile the rule folds: down's split-K 2 on 128x128 tiles, which fill the GPU twice
+    folding = replace(configs.gemm_tile(2048, n, k), block_m=128, block_n=128, num_warps=8)
+    assert configs.gemm_reduction(n, k).split_k == 2
+    assert configs.gemm_fold(2048, n, k, folding, configs.gemm_reduction(n, k)) is (fold == "auto")
 
 
 def test_gpu_shape_decode_attention_flags_sit_on_the_tuned_entry():
