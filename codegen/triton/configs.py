@@ -183,7 +183,8 @@ class Configs:
         partials' round trip and the reduce launch. The tile's `fold` where a schedule or an A/B
         flag sets it. Else where
         - the output tiles alone fill the GPU twice, so that the split's extra programs are not
-          needed to keep the SMs busy (e.g. Llama-3.1-8B's prefill of 2,048 tokens), and
+          needed to keep the SMs busy (e.g. 128x128 tiles of Llama-3.1-8B's 2,048-token prefill;
+          the 128x256 tiles tuned for it since the K block became a tile knob do not fold), and
         - the running sum and the split's accumulator fit in registers side by side: at most 64
           f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
           folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
