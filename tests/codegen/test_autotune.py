@@ -113,7 +113,7 @@ def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
                                                                             for m in p.ms}
     assert {e["block_n"] for e in sched.entries["gemm_tile"]} == {64}
     stage1 = sum(len(reductions(p.k)) * len(tiles(p.ms[0])) for p in problems)
-    red = dataclasses.replace(DEFAULT.gemm_reduction(256, 256), block_k=64, split_k=2)
+    red = GemmReduction(block_k=64, split_k=2)
     assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, p.k, red)) for p in problems for m in p.ms)
     for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose (its own K block or not)
         c = specs_of(t)[0].constexprs
@@ -131,7 +131,7 @@ def test_gemm_stage_two_sweeps_the_k_block_above_decode_and_refuses_other_bits()
         dataclasses.replace(t, block_k=64) for t in tiles(2048)]
     assert stage2_tiles(2048, 192, GemmReduction(64, 2)) == tiles(2048)  # 128 per split: no 128-wide block crosses
     _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)
-    problems = [p for p in gemm_problems(graph, [Bucket(1, 1, 1, True), Bucket(64, 4, 4, False)])]
+    problems = gemm_problems(graph, [Bucket(1, 1, 1, True), Bucket(64, 4, 4, False)])
 
     def time_fn(timed):  # block_k 128 reduces, and wins stage 1; at 64 rows block_k 64 is faster
         c = specs_of(timed)[0].constexprs
