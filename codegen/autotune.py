@@ -39,7 +39,7 @@ from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import gemm as k_gemm
 from kiln.codegen.triton.aot import Compiled, cache_key, compile_specs
 from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
-from kiln.codegen.triton.launch import Buf, KernelSpec, cdiv, recording
+from kiln.codegen.triton.launch import Buf, KernelSpec, recording
 from kiln.graph import Graph
 from kiln.schedules import Schedules
 
@@ -348,7 +348,7 @@ def stage2_tiles(m: int, k: int, red: GemmReduction) -> list[GemmTile]:
     base = tiles(m)
     if m <= 16:
         return base
-    per = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k  # K columns per split
+    per = red.k_per_split(k)
     other = [bk for bk in (64, 128) if bk != red.block_k and k % bk == 0 and (red.split_k == 1 or per % bk == 0)]
     return base + [replace(t, block_k=bk) for bk in other for t in base]
 

@@ -34,6 +34,10 @@ class GemmReduction:
     block_k: int = 64  # split-K's ranges are whole blocks of it; a tile's default K block (GemmTile.block_k)
     split_k: int = 1  # >1: partial sums over fixed K ranges, summed in order 0..S-1
 
+    def k_per_split(self, k: int) -> int:
+        """K columns of each split (the last may hold fewer): whole blocks of block_k."""
+        return -(-(-(-k // self.block_k)) // self.split_k) * self.block_k
+
 
 @dataclass(frozen=True)
 class GemmTile:
@@ -189,9 +193,7 @@ class Configs:
           f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
           folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
         Never where a split is one K block (gemm.py says why)."""
-        blocks = -(-k // red.block_k)
-        per_split = -(-blocks // red.split_k) * red.block_k  # K columns per split, as gemm_specs cuts them
-        if red.split_k == 1 or per_split < 2 * (tile.block_k or red.block_k):  # a split of one K block
+        if red.split_k == 1 or red.k_per_split(k) < 2 * (tile.block_k or red.block_k):  # a split of one K block
             return False
         if tile.fold is not None:
             return tile.fold

@@ -245,7 +245,7 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         check(not has_bias, "gemm: the SwiGLU epilogue takes no bias")
         check(n % (2 * silu_group) == 0 and tile.block_n % (2 * silu_group) == 0 and 128 % (2 * silu_group) == 0,
               f"gemm: the SwiGLU epilogue needs N ({n}) and BLOCK_N ({tile.block_n}) multiples of 2G = {2 * silu_group}")
-    k_per_split = cdiv(cdiv(k, red.block_k), red.split_k) * red.block_k  # the weight's, whatever the tile
+    k_per_split = red.k_per_split(k)  # the weight's, whatever the tile
     check(red.split_k == 1 or k_per_split * (red.split_k - 1) < k, "gemm: split_k leaves a split empty")
     bk = tile.block_k or red.block_k
     check(bk % 16 == 0 and (red.split_k == 1 or k_per_split % bk == 0),
