@@ -385,9 +385,25 @@ class _GemmRig:
                                                                                           self.bench.arch)):
             res = Buf(ptr=self.res.ptr, shape=(m, p.n), dtype=self.out_dtype)
         # the last list's output (the same weight copy for every candidate): the bits check's
+        output = lambda: self.bench.read(self.y, nbytes)
+        if p.residual and res is None:
+            # Compared as h = y + residual, the value either way reaches the norm with: a tile that
+            # folds adds it in its epilogue, one that does not leaves it to add_rms_norm (same
+            # rounding: y rounded, the sum in f32, rounded again). Compared as y, every folding
+            # candidate of a split-K linear_add would differ from a baseline that does not fold.
+            output = lambda: _plus_residual(self.bench.read(self.y, nbytes), self.bench.read(self.res.ptr, nbytes),
+                                            self.out_dtype)
         return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
                              workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g, residual=res)
-                      for r in range(REPS)], output=lambda: self.bench.read(self.y, nbytes))
+                      for r in range(REPS)], output=output)
+
+
+def _plus_residual(y: bytes, res: bytes, dtype: np.dtype) -> bytes:
+    """Bytes of (y + res) in `dtype`, the sum in f32 (add_rms_norm's and the epilogue's add)."""
+    if not y:  # DryBench reads nothing
+        return y
+    a, b = np.frombuffer(y, dtype), np.frombuffer(res, dtype)
+    return (a.astype(np.float32) + b.astype(np.float32)).astype(dtype).tobytes()
 
 
 class GemmTuner:

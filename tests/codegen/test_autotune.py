@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from kiln.codegen.autotune import (PREFILL_TILES, DryBench, GemmTuner, Timed, Trial, _GemmRig, gemm_problems,
@@ -19,7 +21,7 @@ from kiln.codegen.buckets import Bucket, make_buckets
 from kiln.codegen.lower import Regions, lower_bucket
 from kiln.codegen.triton.aot import cache_key
 from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs,
-                                         GemmReduction)
+                                         GemmReduction, GemmTile)
 from kiln.codegen.triton.launch import cdiv
 from kiln.codegen.triton.paged_attention_launch import (attention_block_q, decode_halves, decode_launch,
                                                             paged_attention_specs)
@@ -35,7 +37,8 @@ from tests.tiny_models import BASE
 
 class FakeBench(DryBench):
     """No device and no compiler: allocations are distinct fake addresses, every kernel fits,
-    a timing is `time_fn(timed)` and a read-back `bits_fn(the Timed timed last)`."""
+    a timing is `time_fn(timed)` and a read-back `bits_fn(the Timed timed last)`, repeated to
+    the bytes asked for."""
 
     def __init__(self, time_fn: Callable[[Timed], float], bits_fn: Callable[[Timed], bytes] = lambda t: b"same"):
         super().__init__("sm_90", progress=lambda s: None)
@@ -43,7 +46,8 @@ class FakeBench(DryBench):
         self.last, self.timed = None, []
 
     def read(self, ptr, nbytes):
-        return self.bits_fn(self.last)
+        bits = self.bits_fn(self.last)
+        return (bits * (nbytes // len(bits) + 1))[:nbytes]
 
     def compile(self, specs):
         for s in specs:
@@ -616,3 +620,22 @@ def test_tune_times_attention_and_the_preamble_over_the_cache_dtype_asked_for(tm
     h, hkv, d = BASE["num_attention_heads"], BASE["num_key_value_heads"], entry["d"]
     assert sched.lookup("paged_attention", (h, hkv, d, "float8_e4m3fn", 512)) is not None
     assert sched.lookup("paged_attention", (h, hkv, d, None, 512)) is None
+
+
+def test_plus_residual_is_the_epilogue_add():
+    """The GEMM rig compares a split-K linear_add candidate that does not fold (y, the norm adds
+    the residual) with one that folds (y + residual from the epilogue) as _plus_residual(y): the
+    interpreter's GEMM with the residual in its epilogue must give those bytes exactly."""
+    from kiln.codegen.autotune import _plus_residual
+    from kiln.codegen.triton import gemm as k_gemm
+
+    rng = np.random.default_rng()
+    m, n, k = 32, 64, 256
+    x, w = (rng.standard_normal(s).astype(ml_dtypes.bfloat16) for s in ((m, k), (n, k)))
+    res = rng.standard_normal((m, n)).astype(ml_dtypes.bfloat16)
+    red = GemmReduction(block_k=64, split_k=2)
+    tile = GemmTile(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    fused = k_gemm.gemm(x, w, tile=dataclasses.replace(tile, fold=True), red=red, residual=res.copy())
+    plain = k_gemm.gemm(x, w, tile=dataclasses.replace(tile, fold=False), red=red)
+    assert not np.array_equal(fused, plain)
+    assert _plus_residual(plain.tobytes(), res.tobytes(), plain.dtype) == fused.tobytes()

@@ -125,3 +125,23 @@ def test_gemm_sweep_on_one_weight(bench):
     sched = GemmTuner(bench).tune([GemmProblem(512, 1536, "bf16", False, [1, 16, 64])])
     assert {(e["n"], e["k"]) for e in sched.entries["gemm_reduction"]} == {(512, 1536)}
     assert sorted(e["m"] for e in sched.entries["gemm_tile"]) == [1, 16, 64]
+
+
+def test_gemm_sweep_of_a_split_k_linear_add_checks_the_bits_it_feeds_the_norm(bench):
+    """o_proj/down (linear_add) under split-K 2 at 2,048 rows: some of stage 2's tiles fold the
+    splits and add the residual in their epilogue, the others leave partials, reduced, for the
+    norm to add it. Both hand the norm the same h; the bits check must compare h, not y, or it
+    refuses every candidate whose fold differs from the baseline's (build.py tune then fails)."""
+    from kiln.codegen.autotune import stage2_tiles
+    from kiln.codegen.triton.configs import GemmReduction
+
+    n, k, m = 4096, 2048, 2048
+    red = GemmReduction(block_k=128, split_k=2)
+    folds = {DEFAULT.gemm_fold(m, n, k, t, red, bench.arch) for t in stage2_tiles(m, k, red)}
+    assert folds == {True, False}  # the case in question: both kinds compete
+    bench.mismatches.clear()
+    sched = GemmTuner(bench).tune([GemmProblem(n, k, "bf16", False, [m], residual=True)], objective="keep",
+                                  known=lambda n_, k_: red)
+    assert bench.mismatches == []
+    assert [e["m"] for e in sched.entries["gemm_tile"]] == [m]
+    bench.free_all()
