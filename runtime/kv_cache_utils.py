@@ -101,9 +101,17 @@ def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockH
         n = (num_tokens - start) // block_size * block_size
         # every new full block's ids packed in one call (a 2,048-token prompt: one pack, not 128)
         packed = memoryview(struct.pack(f"<{n}q", *tokens[start:start + n]))
-        for off in range(0, 8 * n, 8 * block_size):
-            extra = (salt,) if (start == 0 and off == 0 and salt) else None
-            prev = _hash_block_bytes(prev, packed[off:off + 8 * block_size], extra)
+        step = 8 * block_size
+        first = 0
+        if start == 0 and salt:  # the salt enters the first block's extra keys
+            prev = _hash_block_bytes(prev, packed[:step], (salt,))
+            new_hashes.append(prev)
+            first = step
+        sha256 = hashlib.sha256
+        for off in range(first, 8 * n, step):  # _hash_block_bytes without extra keys, inlined
+            h = sha256(prev if prev is not None else NONE_HASH)
+            h.update(packed[off:off + step])
+            prev = BlockHash(h.digest())
             new_hashes.append(prev)
         return new_hashes
 
@@ -206,8 +214,19 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """append() of each block in order, as one splice (a finished prompt frees 128 blocks)."""
+        tail = self._tail
+        last = tail.prev_free_block
+        assert last is not None
+        n = 0
         for block in blocks:
-            self.append(block)
+            last.next_free_block = block
+            block.prev_free_block = last
+            last = block
+            n += 1
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        self.num_free_blocks += n
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks head to tail (for tests and debugging)."""
