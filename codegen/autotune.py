@@ -38,7 +38,7 @@ import numpy as np
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import gemm as k_gemm
 from kiln.codegen.triton.aot import Compiled, cache_key, compile_specs
-from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
+from kiln.codegen.triton.configs import DEFAULT, SMS, GemmReduction, GemmTile
 from kiln.codegen.triton.launch import Buf, KernelSpec, recording
 from kiln.graph import Graph
 from kiln.schedules import Schedules
@@ -338,19 +338,29 @@ def tiles(m: int) -> list[GemmTile]:
             if not (bm == 64 and w == 8)]
 
 
-def stage2_tiles(m: int, k: int, red: GemmReduction) -> list[GemmTile]:
+def stage2_tiles(m: int, n: int, k: int, red: GemmReduction, arch: str = "sm_90") -> list[GemmTile]:
     """Stage 2's candidates at M rows under the weight's reduction: tiles(m), and above 16 rows
     the same tiles with the other K block (64 or 128) where it cuts every split into whole
     blocks. The weight's own K block serves decode, where it sets the bytes in flight; a
     prefill tile may want the other (BLOCK_K 128 leaves a 128 x 256 tile 2 stages of shared
     memory where 64 leaves it 4). The K block moves no rounding (gemm.py), and the bits
-    check holds every candidate to that."""
+    check holds every candidate to that.
+    Under split-K, also each of those tiles folded (fold=True) where Configs.gemm_fold's rule
+    would not fold it but its output tiles fill every SM once: the split-K of a weight is
+    chosen for decode, and a prefill tile of 128 x 256 (which folds through memory,
+    gemm.fold_through_memory) may then beat the partials' second set of programs."""
     base = tiles(m)
     if m <= 16:
         return base
     per = red.k_per_split(k)
     other = [bk for bk in (64, 128) if bk != red.block_k and k % bk == 0 and (red.split_k == 1 or per % bk == 0)]
-    return base + [replace(t, block_k=bk) for bk in other for t in base]
+    out = base + [replace(t, block_k=bk) for bk in other for t in base]
+    if red.split_k > 1:
+        sms = SMS.get(arch, SMS["sm_90"])
+        out += [replace(t, fold=True) for t in out
+                if per >= 2 * (t.block_k or red.block_k) and not DEFAULT.gemm_fold(m, n, k, t, red, arch)
+                and -(-m // t.block_m) * -(-n // t.block_n) >= sms]
+    return out
 
 
 class _GemmRig:
@@ -477,15 +487,16 @@ class GemmTuner:
         trials = [Trial((p.n, p.k, m), t, lambda p=p, m=m, t=t: [rig(p).timed(m, t, reds[(p.n, p.k)])],
                         baseline=i == 0)
                   for p in problems for m in p.ms
-                  for i, t in enumerate(stage2_tiles(m, p.k, reds[(p.n, p.k)]))]
+                  for i, t in enumerate(stage2_tiles(m, p.n, p.k, reds[(p.n, p.k)], self.arch))]
         self.progress(f"stage 2: {len(trials)} tile candidates over {sum(len(p.ms) for p in problems)} "
                       f"(weight, M) pairs")
         for (n, k, m), w in sorted(self.bench.best(trials).items()):
             t = w.cand
             sched.entries.setdefault("gemm_tile", []).append(
                 {"m": m, "n": n, "k": k, "block_m": t.block_m, "block_n": t.block_n, "num_warps": t.num_warps,
-                 "num_stages": t.num_stages, **({"block_k": t.block_k} if t.block_k else {}), "us": round(w.us, 2)})
+                 "num_stages": t.num_stages, **({"block_k": t.block_k} if t.block_k else {}),
+                 **({"fold": True} if t.fold else {}), "us": round(w.us, 2)})
             self.progress(f"  [{n}, {k}] M={m}: {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
-                          f"{f' block_k {t.block_k}' if t.block_k else ''} {w.us:.1f} us")
+                          f"{f' block_k {t.block_k}' if t.block_k else ''}{' fold' if t.fold else ''} {w.us:.1f} us")
         self.bench.free_all()
         return sched

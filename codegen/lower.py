@@ -215,7 +215,7 @@ class _Lowerer:
         # tests/codegen/test_lowering.py)
         fuse = red.split_k > 1 and not fold and bias is None and self._reduced_by_norm(node.outputs[0])
         ws = None
-        if red.split_k > 1 and not fold:
+        if k_gemm.needs_workspace(red, tile, fold):
             if fuse and self.partials:
                 raise LoweringError(f"{node.name}: split-K partials of {list(self.partials)} are still unread")
             ws = self.workspace("gemm_ws_fused" if fuse else "gemm_ws", (red.split_k, m, n))
@@ -237,7 +237,7 @@ class _Lowerer:
         n, k = self.g.tensors[w].shape
         m = out.shape[0]
         red, tile, fold = self._gemm_schedule(m, n, k, silu_group=g)
-        ws = self.workspace("gemm_ws", (red.split_k, m, n)) if red.split_k > 1 and not fold else None
+        ws = self.workspace("gemm_ws", (red.split_k, m, n)) if k_gemm.needs_workspace(red, tile, fold) else None
         k_gemm.gemm(self.buf(x), self.buf(w), None, out, n_rows=self.n_rows(node.outputs[0]), workspace=ws,
                     tile=tile, red=red, configs=self.configs, arch=self.arch, silu_group=g)
 
@@ -254,8 +254,9 @@ class _Lowerer:
         m = out.shape[0]
         red, tile, fold = self._gemm_schedule(m, n, k)
         if k_gemm.residual_in_epilogue(m, red.split_k, fold):
+            ws = self.workspace("gemm_ws", (red.split_k, m, n)) if k_gemm.needs_workspace(red, tile, fold) else None
             k_gemm.gemm(self.buf(x), self.buf(w), None, out, n_rows=self.n_rows(node.outputs[0]), tile=tile,
-                        red=red, configs=self.configs, arch=self.arch, residual=self.buf(res))
+                        red=red, configs=self.configs, arch=self.arch, residual=self.buf(res), workspace=ws)
             return
         norms = [c for c in self.users.get(node.outputs[0], []) if c.op == "rms_norm" and c.inputs[0] == node.outputs[0]]
         if len(norms) != 1:

@@ -192,7 +192,9 @@ class Configs:
         - the running sum and the split's accumulator fit in registers side by side: at most 64
           f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
           folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
-        Never where a split is one K block (gemm.py says why)."""
+        Never where a split is one K block (gemm.py says why). A schedule may fold a tile whose two
+        accumulators do not fit (`fold: true`, build.py tune's stage 2 times it): it folds through
+        memory (gemm.fold_through_memory)."""
         if red.split_k == 1 or red.k_per_split(k) < 2 * (tile.block_k or red.block_k):  # a split of one K block
             return False
         if tile.fold is not None:

@@ -11,7 +11,8 @@ argument (DESIGN "Invariance by construction"):
   partial; `gemm_reduce_kernel` sums partials in order 0..S-1, then adds the bias.
   Where M gives enough tiles (prefill; Configs.gemm_fold), FOLD has each program
   compute its tile's splits one after the other, each from zero, and add them in the
-  same order in registers: the same bits, no partials, no reduce launch. The splits'
+  same order in registers: the same bits, no partials, no reduce launch. A tile too large
+  for two accumulators (FOLD_MEM) parks the running sum in its own workspace slot instead. The splits'
   ranges are whole blocks of the weight's BLOCK_K (GemmReduction.block_k).
 - the K block a program loads at a time (BLOCK_K here: GemmTile.block_k, else the
   weight's) is a schedule knob on the GPU: tl.dot chains its K in k=16 steps through
@@ -144,7 +145,7 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                SILU_GROUP: tl.constexpr = 0, HAS_RES: tl.constexpr = False):
+                SILU_GROUP: tl.constexpr = 0, HAS_RES: tl.constexpr = False, FOLD_MEM: tl.constexpr = False):
     n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
     pdl_enter(PDL)  # before any other global access (pdl.py)
     # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K). Programs walk W's
@@ -182,9 +183,27 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M,
         # combine pass rewrites `acc + dot(a, b, 0)` into dot(a, b, acc), another rounding.)
         # A loop, not unrolled: unrolled, ptxas kept a third accumulator live and spilled
         # (128x128 tile, 8 warps, 4 splits: 255 registers and 524 bytes of spills, rolled 154).
-        for s in range(1, SPLIT_K):
-            acc = acc + _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
-                                   N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
+        if FOLD_MEM:
+            # A tile whose running sum and split accumulator do not fit in registers side by side
+            # (128x256, 8 warps: 128 f32 a thread each) parks the running sum in its own slot of
+            # the workspace (part[0], which no other program touches) while the next split runs,
+            # then adds it back: the same f32 values added in the same order, so the same bits.
+            # Its partials still make a round trip through memory, but one program's, within
+            # the launch: no second set of programs, no f32 tensor for the norm to read.
+            rp = off_m + tl.arange(0, BLOCK_M)
+            cp = off_n + tl.arange(0, BLOCK_N)
+            run = part_ptr + rp.to(tl.int64)[:, None] * N + cp[None, :]
+            pmask = (rp[:, None] < M) & (cp[None, :] < N)
+            for s in range(1, SPLIT_K):
+                tl.store(run, acc, mask=pmask)
+                nxt = _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
+                                 N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
+                tl.debug_barrier()  # every thread's store of the running sum before any reload
+                acc = tl.load(run, mask=pmask, other=0.0) + nxt
+        else:
+            for s in range(1, SPLIT_K):
+                acc = acc + _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
+                                       N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
     rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of y
     if SPLIT_K == 1 or FOLD:
         _store_tile(acc, bias_ptr, res_ptr, y_ptr, rm, off_n, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N,
@@ -214,6 +233,19 @@ def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
         acc = acc + tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
     _store_tile(acc, bias_ptr, y_ptr, y_ptr, rm, pid_n * BLOCK_N, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N,
                 SILU_GROUP, False)
+
+
+def fold_through_memory(tile: GemmTile) -> bool:
+    """Whether a folded tile parks its running sum in the workspace (gemm_kernel FOLD_MEM)
+    rather than in registers: where one f32 [BM, BN] tile takes more than 64 registers a
+    thread (Configs.gemm_fold says why 64), two of them would spill."""
+    return tile.block_m * tile.block_n // (32 * tile.num_warps) > 64
+
+
+def needs_workspace(red: GemmReduction, tile: GemmTile, fold: bool) -> bool:
+    """Whether a GEMM writes f32 to the workspace f32[S, M, N]: split-K partials (not folded),
+    or a folded tile's running sum (fold_through_memory)."""
+    return red.split_k > 1 and (not fold or fold_through_memory(tile))
 
 
 def residual_in_epilogue(m: int, split_k: int, fold: bool) -> bool:
@@ -252,6 +284,7 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
           f"gemm: a tile's block_k ({bk}) must be a multiple of 16 that cuts each split's {k_per_split} "
           f"columns into whole blocks")
     fold = bool(tile.fold) and red.split_k > 1
+    fold_mem = fold and fold_through_memory(tile)
     check(not has_res or ((red.split_k == 1 or fold) and not silu_group and not has_bias),
           "gemm: the residual epilogue needs the program to store y itself (no split-K partials), no SwiGLU, no bias")
     check(not fold or k_per_split >= 2 * bk,
@@ -270,7 +303,8 @@ def gemm_specs(m: int, n: int, k: int, *, x_dtype="bfloat16", out_dtype="bfloat1
         constexprs=dict(N=n, K=k, K_PER_SPLIT=k_per_split, HAS_BIAS=has_bias, SPLIT_K=red.split_k, FOLD=fold,
                         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
                         GROUP_M=tile.group_m, TMA=tma, INTERPRET=False,
-                        **({"SILU_GROUP": silu_group} if silu_group else {}), **({"HAS_RES": True} if has_res else {})),
+                        **({"SILU_GROUP": silu_group} if silu_group else {}), **({"HAS_RES": True} if has_res else {}),
+                        **({"FOLD_MEM": True} if fold_mem else {})),
         grid=(cdiv(n, tile.block_n) * cdiv(m, tile.block_m), 1, 1 if fold else red.split_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages, divisible=ptrs + div)
     if red.split_k == 1 or fold:
@@ -291,7 +325,7 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
          silu_group: int = 0, residual=None):
     """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
     out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
-    when split-K and not folded. numpy arrays in -> interpreter; device buffers in -> all must
+    when split-K and not folded, or folded through memory (needs_workspace). numpy arrays in -> interpreter; device buffers in -> all must
     be given. The tile (default configs.gemm_tile's) decides TMA loads and whether split-K is
     folded into the main kernel (configs.gemm_fold; tile.fold=None: its rule): either way the
     same bits. reduce=False (split-K only, not folded): leave the partials in the workspace for
@@ -323,7 +357,7 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
         check(dtype_name(bias) == dtype_name(x), "gemm: bias dtype differs from x")
     check_shape(out, (m, n_out), "gemm out")
     check_inner_contiguous(out, "gemm out")
-    if red.split_k > 1 and not tile.fold:
+    if needs_workspace(red, tile, tile.fold):
         if workspace is None:
             check(getattr(out, "on_host", False), f"gemm: split_k={red.split_k} needs a device workspace "
                   f"f32[{red.split_k}, {m}, {n}]")

@@ -118,7 +118,7 @@ def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
     assert {e["block_n"] for e in sched.entries["gemm_tile"]} == {64}
     stage1 = sum(len(reductions(p.k)) * len(tiles(p.ms[0])) for p in problems)
     red = GemmReduction(block_k=64, split_k=2)
-    assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, p.k, red)) for p in problems for m in p.ms)
+    assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, p.n, p.k, red)) for p in problems for m in p.ms)
     for t in bench.timed[stage1:]:  # every tile of stage 2 reduces as stage 1 chose (its own K block or not)
         c = specs_of(t)[0].constexprs
         assert c["SPLIT_K"] == 2 and c["K_PER_SPLIT"] == cdiv(cdiv(c["K"], 64), 2) * 64 and c["BLOCK_K"] in (64, 128)
@@ -129,11 +129,20 @@ def test_gemm_stage_two_sweeps_the_k_block_above_decode_and_refuses_other_bits()
     the same sums), where it cuts every split into whole blocks; a candidate whose output
     differs from the weight's own K block's is refused, and a winner's block_k is written."""
     red = GemmReduction(block_k=128, split_k=1)
-    assert stage2_tiles(16, 4096, red) == tiles(16)
-    assert stage2_tiles(2048, 4096, red) == tiles(2048) + [dataclasses.replace(t, block_k=64) for t in tiles(2048)]
-    assert stage2_tiles(2048, 14336, GemmReduction(128, 2)) == tiles(2048) + [  # 7,168 per split: whole 64s
-        dataclasses.replace(t, block_k=64) for t in tiles(2048)]
-    assert stage2_tiles(2048, 192, GemmReduction(64, 2)) == tiles(2048)  # 128 per split: no 128-wide block crosses
+    assert stage2_tiles(16, 4096, 4096, red) == tiles(16)
+    assert stage2_tiles(2048, 4096, 4096, red) == tiles(2048) + [dataclasses.replace(t, block_k=64)
+                                                                 for t in tiles(2048)]
+    unfolded = tiles(2048) + [dataclasses.replace(t, block_k=64) for t in tiles(2048)]  # 7,168 per split: whole 64s
+    down = stage2_tiles(2048, 4096, 14336, GemmReduction(128, 2))
+    assert down[:len(unfolded)] == unfolded
+    # under split-K, also folded: the tiles the rule leaves unfolded whose output tiles fill the 132 SMs
+    assert down[len(unfolded):] == [dataclasses.replace(t, fold=True) for t in unfolded
+                                    if not DEFAULT.gemm_fold(2048, 4096, 14336, t, GemmReduction(128, 2))
+                                    and cdiv(2048, t.block_m) * cdiv(4096, t.block_n) >= 132]
+    assert GemmTile(128, 256, 8, 3, fold=True) in down  # the 2,048-row prefill's, folded through memory
+    assert GemmTile(128, 128, 8, 3, fold=True) not in down  # the rule folds it already (512 tiles)
+    assert not any(t.fold for t in stage2_tiles(32, 4096, 14336, GemmReduction(128, 2)))  # <= 128 output tiles
+    assert stage2_tiles(2048, 64, 192, GemmReduction(64, 2)) == tiles(2048)  # 128 per split: no 128-wide block
     _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)
     problems = gemm_problems(graph, [Bucket(1, 1, 1, True), Bucket(64, 4, 4, False)])
 
@@ -184,7 +193,7 @@ def test_gemm_reduction_follows_the_objective(objective, split):
     stage1 = len(reductions(8192)) * (len(tiles(1)) + (objective != "decode") * len(PREFILL_TILES))
     assert all(specs_of(t)[0].constexprs["SPLIT_K"] == split for t in bench.timed[stage1:])
     red = GemmReduction(block_k=64, split_k=split)
-    assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, 8192, red)) for m in problems[0].ms)
+    assert len(bench.timed) == stage1 + sum(len(stage2_tiles(m, problems[0].n, 8192, red)) for m in problems[0].ms)
 
 
 def test_gemm_objective_keep_re_tunes_only_the_tiles_under_the_known_reductions():
@@ -200,7 +209,7 @@ def test_gemm_objective_keep_re_tunes_only_the_tiles_under_the_known_reductions(
         {(p.n, p.k) for p in problems} - {(first.n, first.k)}
     stage2 = [t for t in bench.timed if specs_of(t)[0].constexprs["N"] == first.n
               and specs_of(t)[0].constexprs["K"] == first.k]
-    assert len(stage2) == sum(len(stage2_tiles(m, p.k, keep)) for p in problems if (p.n, p.k) == (first.n, first.k)
+    assert len(stage2) == sum(len(stage2_tiles(m, p.n, p.k, keep)) for p in problems if (p.n, p.k) == (first.n, first.k)
                               for m in p.ms)
     assert all(specs_of(t)[0].constexprs["SPLIT_K"] == 1 for t in stage2)
 

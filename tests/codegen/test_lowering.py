@@ -51,6 +51,15 @@ def _fold_mixed(op, key):
     return {"fold": key[0] > 16} if op == "gemm_tile" else _split_everything(op, key)
 
 
+def _fold_mixed_through_memory(op, key):
+    """_fold_mixed with tiles too large for two accumulators in registers (128 x 128, 4 warps:
+    gemm.fold_through_memory), so the mixed bucket's GEMMs park their running sums in the
+    workspace between splits."""
+    if op == "gemm_tile" and key[0] > 16:
+        return {"fold": True, "block_m": 128, "block_n": 128, "num_warps": 4}
+    return _fold_mixed(op, key)
+
+
 def _model(arch, fuse_silu=True, fuse_residual=True):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "num_hidden_layers": 2,
                                     "max_position_embeddings": MAX_LEN})
@@ -151,20 +160,24 @@ def test_lowered_plan_matches_numpy(arch, split):
     run.prefill_then_decode()
 
 
-def test_folded_plan_gives_the_split_plans_bits():
+@pytest.mark.parametrize("through_memory", [False, True])
+def test_folded_plan_gives_the_split_plans_bits(through_memory):
     """The same model lowered with split-K everywhere, once with partials (reduced by
     gemm_reduce_kernel, or by the add_rms_norm after o_proj and down) and once folded in the
-    mixed bucket's GEMMs: the logits of a mixed step and of the decode step after it are the
+    mixed bucket's GEMMs (in registers, or through the workspace for tiles too large for two
+    accumulators): the logits of a mixed step and of the decode step after it are the
     same bits. The fold replaces the fused norms' partial sums there, so this also proves that
     the norm reading a folded GEMM's output rounds as the norm summing partials does."""
     cfg, graph, weights = _model("LlamaForCausalLM")
     split = _Plan(cfg, graph, weights, Configs(lookup=_split_everything))
-    fold = _Plan(cfg, graph, weights, Configs(lookup=_fold_mixed))
+    fold = _Plan(cfg, graph, weights, Configs(lookup=_fold_mixed_through_memory if through_memory else _fold_mixed))
     mixed = fold.launches(BUCKETS[1])
     gemms = [(spec.constexprs["FOLD"], spec.grid[2], a["M"]) for spec, a in mixed if spec.kernel == "gemm_kernel"]
     # q/k/v, o_proj, gate/up and down of every layer fold (one program per tile); the LM head
     # runs on the 4 sampled rows and keeps its partials and reduce
     assert [g for g in gemms if g[0]] == [(True, 1, 64)] * 4 * cfg.num_hidden_layers
+    assert [spec.constexprs.get("FOLD_MEM", False) for spec, _ in mixed
+            if spec.kernel == "gemm_kernel" and spec.constexprs["FOLD"]] == [through_memory] * 4 * cfg.num_hidden_layers
     assert [g for g in gemms if not g[0]] == [(False, 2, 4)]
     assert [a["M"] for spec, a in mixed if spec.kernel == "gemm_reduce_kernel"] == [4]
     assert not any(spec.constexprs.get("X_SPLIT") for spec, _ in mixed)

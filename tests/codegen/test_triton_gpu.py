@@ -126,6 +126,37 @@ def test_gemm_rows_invariant_across_block_k(split, tma):
 
 
 @pytest.mark.parametrize("tma", [False, True])
+def test_gemm_fold_through_memory_gives_the_partials_bits_on_gpu(tma):
+    """down's 2,048-row prefill tile (128 x 256, 8 warps, K block 64) under its decode split-K 2:
+    folded, its running sum goes through the workspace between splits (gemm.fold_through_memory),
+    and gives the bits of the unfolded partials summed by the reduce, with and without the
+    residual epilogue; a decode row (partials + reduce, 16-row tile) matches too."""
+    from kiln.codegen.triton.gemm import fold_through_memory, gemm, gemm_specs
+
+    rng = np.random.default_rng(5)
+    m, n, k = 2048, 4096, 14336
+    x, w, r = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (m, n))
+    red = GemmReduction(128, 2)
+    tile = GemmTile(128, 256, 8, 3, block_k=64, tma=tma)
+    assert fold_through_memory(tile)
+    xd, wd, rd = dev(x), dev(w), dev(r)
+
+    def run(fold, residual=None, rows=m, t=tile):
+        out = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
+        ws = torch.full((2, rows, n), float("nan"), dtype=torch.float32, device="cuda")
+        gemm(xd[:rows], wd, None, out, n_rows=torch.tensor([rows], dtype=torch.int32, device="cuda"), workspace=ws,
+             tile=dataclasses.replace(t, fold=fold), red=red, residual=residual)
+        return host(out)
+
+    assert gemm_specs(m, n, k, tile=dataclasses.replace(tile, fold=True), red=red)[0].constexprs.get("FOLD_MEM")
+    want = run(False)
+    assert same_bits(run(True), want), f"tma={tma}: folding through memory changed the bits"
+    assert same_bits(run(True, rd), ops.add(want, r)), f"tma={tma}: the folded residual epilogue differs"
+    one = run(False, rows=1, t=TILES["decode"])
+    assert same_bits(one[0], want[0]), "a decode row differs from the folded prefill's"
+
+
+@pytest.mark.parametrize("tma", [False, True])
 def test_gemm_residual_epilogue_gives_gemm_then_add_bits_on_gpu(tma):
     """The residual epilogue (linear_add) against the plain GEMM's bf16 output plus the residual,
     as add_rms_norm_kernel adds them: the same bits, decode and prefill tiles, split-K folded."""

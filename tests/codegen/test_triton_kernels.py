@@ -15,7 +15,7 @@ from kiln.codegen.triton.argmax import argmax
 from kiln.codegen.triton.attention_preamble import attention_preamble
 from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
 from kiln.codegen.triton.gather import embedding, gather_rows
-from kiln.codegen.triton.gemm import gemm, gemm_specs
+from kiln.codegen.triton.gemm import fold_through_memory, gemm, gemm_specs, needs_workspace
 from kiln.codegen.triton.launch import recording
 from kiln.codegen.triton.rms_norm import add_rms_norm, rms_norm
 from kiln.codegen.triton.silu_mul import silu_mul
@@ -115,6 +115,32 @@ def test_gemm_fold_gives_the_reduce_kernels_bits(rng, split, bias):
         gemm(x, w, b, np.empty((m, n), BF16), tile=folded, red=red)
     (spec, _), = launches
     assert spec.constexprs["FOLD"] and spec.grid == (2, 1, 1)  # 96 / 64 column tiles x 1 row tile
+    assert "FOLD_MEM" not in spec.constexprs
+
+
+@pytest.mark.parametrize("split,residual", [(2, True), (3, False)])
+def test_gemm_fold_through_memory_gives_the_reduce_kernels_bits(rng, split, residual):
+    """A folded tile too large for two accumulators in registers (gemm.fold_through_memory: 128 x
+    128 with 4 warps is 128 f32 a thread) parks its running sum in its workspace slot between
+    splits: the partials' bits, with the residual epilogue too; the workspace is required."""
+    m, n, k = 37, 96, 384
+    x, w = rand(rng, (m, k)), rand(rng, (n, k))
+    r = rand(rng, (m, n)) if residual else None
+    red = GemmReduction(block_k=64, split_k=split)
+    big = GemmTile(block_m=128, block_n=128, num_warps=4, num_stages=2)
+    assert fold_through_memory(big) and not fold_through_memory(PREFILL)
+    want = gemm(x, w, None, np.empty((m, n), BF16), tile=replace(big, fold=False), red=red)
+    if residual:
+        want = ops.add(want, r)
+    ws = np.full((split, m, n), np.nan, np.float32)
+    got = gemm(x, w, None, np.empty((m, n), BF16), tile=replace(big, fold=True), red=red, workspace=ws, residual=r)
+    assert same_bits(got, want), f"split {split}: folding through memory changed the bits"
+    with recording() as launches:
+        gemm(x, w, None, np.empty((m, n), BF16), tile=replace(big, fold=True), red=red, residual=r)
+    (spec, _), = launches
+    assert spec.constexprs["FOLD"] and spec.constexprs["FOLD_MEM"] and spec.grid == (1, 1, 1)
+    assert np.isfinite(ws[0]).all() and np.isnan(ws[1:]).all()  # its running sum, in slot 0 only
+    assert needs_workspace(red, replace(big, fold=True), True) and not needs_workspace(red, PREFILL, True)
 
 
 def test_gemm_folds_by_the_configs_rule_and_never_a_one_block_split():

@@ -137,7 +137,7 @@ def test_gemm_sweep_of_a_split_k_linear_add_checks_the_bits_it_feeds_the_norm(be
 
     n, k, m = 4096, 2048, 2048
     red = GemmReduction(block_k=128, split_k=2)
-    folds = {DEFAULT.gemm_fold(m, n, k, t, red, bench.arch) for t in stage2_tiles(m, k, red)}
+    folds = {DEFAULT.gemm_fold(m, n, k, t, red, bench.arch) for t in stage2_tiles(m, n, k, red, bench.arch)}
     assert folds == {True, False}  # the case in question: both kinds compete
     bench.mismatches.clear()
     sched = GemmTuner(bench).tune([GemmProblem(n, k, "bf16", False, [m], residual=True)], objective="keep",
