@@ -189,23 +189,27 @@ def test_plot_and_table(tmp_path):
 def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
     """bench/gpu_shape_decode.py --gemm-fold compiles the model in-process with a Configs whose
     gemm_tile lookup carries the flag: `off` keeps every split-K GEMM's partials, `auto` folds
-    those of the Llama-3.1-8B prefill where Configs.gemm_fold's rule says so (down's split-K 2 on
-    128x128 tiles at 2,048 tokens; the tuned 128x256 tile has too many accumulators a thread to
-    fold), never a decode step's. The TMA flag still reaches the same tiles."""
+    those of the Llama-3.1-8B prefill where the tuned schedule or Configs.gemm_fold's rule says so
+    (down's split-K 2 on 128x128 tiles at 2,048 tokens by the rule; its tuned 128x256 tile by the
+    schedule, through memory), never a decode step's. The TMA flag still reaches the same tiles."""
     from argparse import Namespace
 
     from kiln.bench.gpu_shape_decode import _lookup
     from kiln.codegen.triton.configs import Configs
+    from kiln.schedules import Schedules
 
     args = Namespace(untuned=False, attn_block_q=None, attn_warps=None, attn_stages=None, attn_maxnreg=None,
                      gemm_tma="off", gemm_fold=fold)
     configs = Configs(lookup=_lookup(args))
+    tuned = Configs(lookup=Schedules.read("sm_90").lookup)
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # q/k/v, o_proj, down
         red = configs.gemm_reduction(n, k)
         prefill, decode = configs.gemm_tile(2048, n, k), configs.gemm_tile(1, n, k)
-        assert prefill.fold is (False if fold == "off" else None)  # off: never; auto: the rule's
-        by_rule = configs.gemm_fold(2048, n, k, replace(prefill, fold=None), red)
-        assert configs.gemm_fold(2048, n, k, prefill, red) is (fold == "auto" and by_rule)
+        # off: never; auto: the schedule's word (down's at 2,048 rows), else the rule's
+        assert prefill.fold is (False if fold == "off" else tuned.gemm_tile(2048, n, k).fold)
+        as_tuned = tuned.gemm_fold(2048, n, k, tuned.gemm_tile(2048, n, k), red)  # the bundle's own choice
+        assert configs.gemm_fold(2048, n, k, prefill, red) is (fold == "auto" and as_tuned)
+        assert as_tuned is ((n, k) == (4096, 14336))  # down's tuned prefill tile folds (through memory)
         assert not configs.gemm_fold(1, n, k, decode, red)
         assert prefill.tma is False
     n, k = 4096, 14336  # a tile the rule folds: down's split-K 2 on 128x128 tiles, which fill the GPU twice

@@ -188,7 +188,8 @@ class Configs:
         flag sets it. Else where
         - the output tiles alone fill the GPU twice, so that the split's extra programs are not
           needed to keep the SMs busy (e.g. 128x128 tiles of Llama-3.1-8B's 2,048-token prefill;
-          the 128x256 tiles tuned for it since the K block became a tile knob do not fold), and
+          the 128x256 tiles tuned for it since the K block became a tile knob do not by this rule;
+          down's folds through memory because its schedule says so), and
         - the running sum and the split's accumulator fit in registers side by side: at most 64
           f32 a thread each (ptxas, sm_90, TMA: 128x128 with 8 warps takes 154 registers
           folded, 90 not; 128x256 with 8 warps hits 255 and spills 1 KB a thread).
