@@ -126,10 +126,22 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        caching = self.enable_caching
+        if self.enable_caching:
+            # _maybe_evict_cached_block, inlined: with fresh prompts every block handed out still
+            # names an old prefix, and a 2,048-token prompt takes 128 of them on its way in
+            cache, evicted = self.cached_block_hash_to_block._cache, 0
+            for block in blocks:
+                key = block._block_hash
+                if key is not None:
+                    entry = cache.get(key)
+                    if entry is not None:
+                        entry.pop(block.block_id, None)
+                        if not entry:
+                            del cache[key]
+                    block._block_hash = None
+                    evicted += 1
+            self.stats.evictions += evicted
         for block in blocks:
-            if caching and block._block_hash is not None:  # (_maybe_evict_cached_block's test, inlined)
-                self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
         return blocks

@@ -72,6 +72,7 @@ class CudaExecutor:
         for e in self._staged:
             self.ctx.record(e)
         self._turn = 0
+        self._views: dict[tuple[int, str], dict[str, np.ndarray]] = {}  # (buffer, bucket) -> input views
         self.host_inputs = self._host_inputs[0]
         self.logits_offset, self.vocab = m["logits"]["offset"], m["logits"]["vocab"]
         max_rows = max(p["logits"] for p in self.plans.values())
@@ -167,10 +168,14 @@ class CudaExecutor:
         self.ctx.event_sync(self._staged[self._turn])
         buf = self.host_inputs = self._host_inputs[self._turn]
         s_live = len(inputs["seq_lens"])
+        views = self._views.get((self._turn, p["name"]))
+        if views is None:  # the bucket's input arrays in this staging buffer, made once
+            views = self._views[(self._turn, p["name"])] = {
+                name: buf[off: off + 4 * int(np.prod(shape))].view(np.int32).reshape(shape)
+                for name, (off, shape) in p["inputs"].items()}
 
         def put(name: str, arr: np.ndarray, fill: int) -> None:
-            off, shape = p["inputs"][name]
-            view = buf[off: off + 4 * int(np.prod(shape))].view(np.int32).reshape(shape)
+            view = views[name]
             view[...] = fill
             view[tuple(slice(0, d) for d in arr.shape)] = arr
         put("input_ids", inputs["input_ids"], 0)
@@ -217,9 +222,10 @@ class CudaExecutor:
     def execute_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=()):
         """One step whose logits stay on the device: the bucket's plan as in execute(), then
         `sampler` (make_sampler) on the same stream over logits rows `rows`; only the sampled
-        ids (and the logprobs asked for) come back. -> GpuSampler.sample's result."""
+        ids (and the logprobs asked for) come back. -> GpuSampler.sample's result. metadata: the
+        SamplingMetadata, or a function giving it, called once the step's launches are queued."""
         self._launch_step(inputs)
-        return sampler.sample(rows, metadata, seeds, prompt)
+        return sampler.sample(rows, _resolved(metadata), seeds, prompt)
 
     def launch_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=(),
                           feed=None):
@@ -228,7 +234,7 @@ class CudaExecutor:
         input_ids): those input ids are the ids that step sampled, copied on the device after
         the upload (the host staged placeholders there)."""
         self._launch_step(inputs, sampler=sampler, feed=feed)
-        return sampler.launch(rows, metadata, seeds, prompt)
+        return sampler.launch(rows, _resolved(metadata), seeds, prompt)
 
     def _launch_step(self, inputs: Mapping[str, np.ndarray], sampler=None, feed=None) -> None:
         """execute() up to the logits download: stage, upload, the bucket's launches (or graph)."""
@@ -297,3 +303,9 @@ class CudaExecutor:
 
     def close(self) -> None:
         self.ctx.close()
+
+
+def _resolved(metadata):
+    """A step's sampling metadata, built now if the caller passed a function that builds it
+    (ModelRunner: so that the host builds it while the GPU runs the step's launches)."""
+    return metadata() if callable(metadata) else metadata

@@ -82,6 +82,14 @@ class StepPlan:
         return np.flatnonzero(self.sample).tolist()
 
 
+def _reads_tokens(params: SamplingParams) -> bool:
+    """Whether sampling with `params` reads the request's tokens on the host (penalties, bad
+    words: SamplingMetadata's no_penalties and bad_words_token_ids), so that a step feeding it
+    device-sampled ids must wait for them."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+                or params.bad_words)
+
+
 class ModelRunner:
     def __init__(self, executor, block_size: int, vocab_size: int, *, eos_token_ids: Sequence[int] = (),
                  encode: Callable[[str], list[int]] | None = None, seed: int | None = None,
@@ -327,14 +335,16 @@ class ModelRunner:
                 jobs[rid] = PromptJob(r0 + skip, targets.astype(np.int32), k)
         sample_idx = plan.sample_idx
         states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
-        md = self._metadata(states) if states else None
         feed = None
         if self._in_flight:
-            if md is not None and (not md.no_penalties or md.bad_words_token_ids):
+            if any(_reads_tokens(st.params) for st in states):
                 self.flush()  # penalties and bad words read the tokens themselves, on the host
             else:
                 feed = self._feed(plan, self._in_flight[-1])
         inputs, seeds = self._step_inputs(plan), [s.params.seed for s in states]
+        # The sampling metadata is built once the model's launches are queued (the executor calls
+        # this): the GPU runs the step meanwhile, so a prompt's first token does not wait on it.
+        md = (lambda: self._metadata(states)) if states else None
         if not self.launches_ahead:
             out, prompt = self.executor.execute_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
                                                            prompt=list(jobs.values()))

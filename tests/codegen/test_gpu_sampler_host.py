@@ -14,6 +14,7 @@ from kiln.codegen.triton import sampling as K
 from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.launch import Buf, _interpreter_compat, kernel_fn
 from kiln.runtime.cuda_driver import Kernel
+from kiln.runtime.cuda_executor import _resolved
 from kiln.runtime.gpu_sampler import GpuSampler, PromptJob
 from kiln.runtime.sampler import Sampler, compute_logprobs, gather_logprobs
 from kiln.runtime.sampling_metadata import SamplingMetadata
@@ -164,7 +165,7 @@ def test_llm_tokens_and_logprobs_equal_the_cpu_path(tmp_path):
         def execute_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=()):
             logits = next(iter(cpu_executor.execute(inputs).values()))
             dev.upload(logits_ptr, np.ascontiguousarray(logits, np.float32))
-            return sampler.sample(rows, md, seeds, prompt)
+            return sampler.sample(rows, _resolved(md), seeds, prompt)
 
     runner.executor, runner.gpu_sampler = DeviceLogits(), host_sampler(dev, 256, logits_ptr, block=128)
     got = llm.generate(prompts, sp)
@@ -203,7 +204,7 @@ def _on_host_device(llm) -> None:
             assert (inputs["input_ids"] >= 0).all()
             logits = next(iter(cpu_executor.execute(inputs).values()))
             dev.upload(logits_ptr, np.ascontiguousarray(logits, np.float32))
-            return sampler.launch(rows, md, seeds, prompt)
+            return sampler.launch(rows, _resolved(md), seeds, prompt)
 
     runner.executor, runner.gpu_sampler = DeviceLogits(), host_sampler(dev, 256, logits_ptr, block=128)
 
