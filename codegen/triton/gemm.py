@@ -12,8 +12,8 @@ argument (DESIGN "Invariance by construction"):
   Where M gives enough tiles (prefill; Configs.gemm_fold), FOLD has each program
   compute its tile's splits one after the other, each from zero, and add them in the
   same order in registers: the same bits, no partials, no reduce launch. A tile too large
-  for two accumulators (FOLD_MEM) parks the running sum in its own workspace slot instead. The splits'
-  ranges are whole blocks of the weight's BLOCK_K (GemmReduction.block_k).
+  for two accumulators (FOLD_MEM) parks the running sum in its own workspace slot instead.
+  The splits' ranges are whole blocks of the weight's BLOCK_K (GemmReduction.block_k).
 - the K block a program loads at a time (BLOCK_K here: GemmTile.block_k, else the
   weight's) is a schedule knob on the GPU: tl.dot chains its K in k=16 steps through
   the accumulator, so 32, 64 or 128 columns a block give the same sums in the same order.
@@ -325,10 +325,11 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
          silu_group: int = 0, residual=None):
     """x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] | None,
     out: [M, N] bf16 or f32; n_rows: i32[1] live rows (default M); workspace: f32[S, M, N]
-    when split-K and not folded, or folded through memory (needs_workspace). numpy arrays in -> interpreter; device buffers in -> all must
-    be given. The tile (default configs.gemm_tile's) decides TMA loads and whether split-K is
-    folded into the main kernel (configs.gemm_fold; tile.fold=None: its rule): either way the
-    same bits. reduce=False (split-K only, not folded): leave the partials in the workspace for
+    when split-K and not folded, or folded through memory (needs_workspace). numpy arrays in ->
+    interpreter; device buffers in -> all must be given. The tile (default configs.gemm_tile's)
+    decides TMA loads and whether split-K is folded into the main kernel (configs.gemm_fold;
+    tile.fold=None: its rule): either way the same bits. reduce=False (split-K only, not
+    folded): leave the partials in the workspace for
     a consumer that reduces them itself (add_rms_norm's x_split). silu_group G > 0: w is a
     gate/up stack interleaved in groups of G rows (graph/layout.py) and out is
     silu(gate) * up: [M, N / 2], the bits of this GEMM's gate and up columns through silu_mul.
