@@ -39,8 +39,32 @@ class BlockHashToBlockMap:
             return None
         return next(iter(blocks.values()))
 
-    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        self._cache.setdefault(key, {})[block.block_id] = block
+    def insert_all(self, keyed: Iterable[tuple[BlockHashWithGroupId, KVCacheBlock]]) -> None:
+        """Make each (key, block) findable, in one loop (a 2,048-token prompt caches 128 blocks)."""
+        cache = self._cache
+        for key, block in keyed:
+            entry = cache.get(key)
+            if entry is None:
+                cache[key] = {block.block_id: block}
+            else:
+                entry[block.block_id] = block
+
+    def evict(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Forget the hash of each block that has one (pop() and the block's reset_hash, in one
+        loop: with fresh prompts every block handed out still names an old prefix). -> how many."""
+        cache, evicted = self._cache, 0
+        for block in blocks:
+            key = block._block_hash
+            if key is None:
+                continue
+            entry = cache.get(key)
+            if entry is not None:
+                entry.pop(block.block_id, None)
+                if not entry:
+                    del cache[key]
+            block._block_hash = None
+            evicted += 1
+        return evicted
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
@@ -102,22 +126,17 @@ class BlockPool:
         hashes = request.block_hashes
         assert len(hashes) >= num_full_blocks, (
             f"request {request.request_id}: {len(hashes)} block hashes, {num_full_blocks} full blocks")
-        # make_block_hash_with_group_id, block.block_hash = key and the map's insert, inlined:
-        # a 2,048-token prompt caches 128 blocks on its way to the first token
+        # make_block_hash_with_group_id's suffix made once (a 2,048-token prompt caches 128 blocks)
         gid = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_id)
-        cache = self.cached_block_hash_to_block._cache
+        keyed = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:  # skipped (e.g. out of a sliding window): nothing to cache
                 continue
             key = hashes[i] + gid
-            assert block._block_hash is None, "the block already has a hash"
-            block._block_hash = key
-            entry = cache.get(key)
-            if entry is None:
-                cache[key] = {block.block_id: block}
-            else:
-                entry[block.block_id] = block
+            block.block_hash = key
+            keyed.append((key, block))
+        self.cached_block_hash_to_block.insert_all(keyed)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop num_blocks free blocks (LRU first), evicting their cached hashes.
@@ -127,33 +146,11 @@ class BlockPool:
                              f"({self.get_num_free_blocks()} free)")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
-            # _maybe_evict_cached_block, inlined: with fresh prompts every block handed out still
-            # names an old prefix, and a 2,048-token prompt takes 128 of them on its way in
-            cache, evicted = self.cached_block_hash_to_block._cache, 0
-            for block in blocks:
-                key = block._block_hash
-                if key is not None:
-                    entry = cache.get(key)
-                    if entry is not None:
-                        entry.pop(block.block_id, None)
-                        if not entry:
-                            del cache[key]
-                    block._block_hash = None
-                    evicted += 1
-            self.stats.evictions += evicted
+            self.stats.evictions += self.cached_block_hash_to_block.evict(blocks)
         for block in blocks:
             assert block.ref_cnt == 0
             block.ref_cnt = 1
         return blocks
-
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        key = block.block_hash
-        if key is None:
-            return False
-        self.cached_block_hash_to_block.pop(key, block.block_id)
-        block.reset_hash()
-        self.stats.evictions += 1
-        return True
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop the hashes of blocks whose contents will never be written (a
