@@ -70,15 +70,15 @@ def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, k_start,
+def _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, rn, M, stride_xm, k_start,
                N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                TMA: tl.constexpr, INTERPRET: tl.constexpr):
-    """The f32 sums of the tile at rows off_m, columns off_n over one K split [k_start,
+    """The f32 sums of the tile at rows off_m, columns rn [BN] over one K split [k_start,
     k_start + K_PER_SPLIT), from zero: a split-K partial (or, unsplit, the whole sum).
-    TMA: x_desc, w_desc load the tiles; else the pointers do (the descriptors are None)."""
+    TMA: x_desc, w_desc load the tiles, whose columns are then off_n + arange(BN); else the
+    pointers do (the descriptors are None), and the columns rn may be any (gemm_rope_kernel)."""
     rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of x
-    rn = off_n + tl.arange(0, BLOCK_N)  # [BN] rows of w
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_rows = w_ptr + rn.to(tl.int64)[None, :] * K  # [1, BN]; w: [N, K] contiguous
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -140,29 +140,27 @@ def _store_tile(acc, bias_ptr, res_ptr, y_ptr, rm, off_n, M, stride_ym, N: tl.co
 
 
 @triton.jit
-def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
-                N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                SILU_GROUP: tl.constexpr = 0, HAS_RES: tl.constexpr = False, FOLD_MEM: tl.constexpr = False):
-    n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
-    pdl_enter(PDL)  # before any other global access (pdl.py)
-    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K). Programs walk W's
-    # column blocks with GROUP_M row blocks side by side, so the programs in flight share each W
-    # tile through L2 (N-major order re-read all of W from HBM for every row block: at
-    # M = 2,048 that made a prefill GEMM memory-bound). One row block (decode): N-major,
-    # W's rows spread over all SMs. Which program computes a tile never changes its sums.
-    pid, pid_k = tl.program_id(0), tl.program_id(2)
+def _tile_ids(pid, M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid's tile -> (row block, column block). Programs walk W's column blocks with
+    GROUP_M row blocks side by side, so the programs in flight share each W tile through L2
+    (N-major order re-read all of W from HBM for every row block: at M = 2,048 that made a
+    prefill GEMM memory-bound). One row block (decode): N-major, W's rows spread over all SMs.
+    Which program computes a tile never changes its sums."""
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.cdiv(M, BLOCK_M)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    if pid_m * BLOCK_M >= n_rows:
-        return
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _tile_sums(x_ptr, w_ptr, part_ptr, off_m, off_n, rn, M, stride_xm, pid_k,
+               N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+               FOLD: tl.constexpr, FOLD_MEM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """The f32 sums of the tile at rows off_m, columns rn: split pid_k's (a partial), or with FOLD
+    every split's, added in order. TMA: the columns are off_n + arange(BN)."""
     # The interpreter takes the pointer path: its numpy model of the dot sums a transposed
     # tile in another order, which would fake a difference.
     tma: tl.constexpr = TMA and not INTERPRET
@@ -171,9 +169,8 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M,
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
     # this program's split (FOLD: the first; its grid has one program per tile)
-    acc = _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, pid_k * K_PER_SPLIT,
+    acc = _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, rn, M, stride_xm, pid_k * K_PER_SPLIT,
                      N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
     if FOLD:
         # The other splits, each from zero, added in order 1..S-1: gemm_reduce_kernel's
@@ -191,19 +188,38 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M,
             # Its partials still make a round trip through memory, but one program's, within
             # the launch: no second set of programs, no f32 tensor for the norm to read.
             rp = off_m + tl.arange(0, BLOCK_M)
-            cp = off_n + tl.arange(0, BLOCK_N)
-            run = part_ptr + rp.to(tl.int64)[:, None] * N + cp[None, :]
-            pmask = (rp[:, None] < M) & (cp[None, :] < N)
+            run = part_ptr + rp.to(tl.int64)[:, None] * N + rn[None, :]
+            pmask = (rp[:, None] < M) & (rn[None, :] < N)
             for s in range(1, SPLIT_K):
                 tl.store(run, acc, mask=pmask)
-                nxt = _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
+                nxt = _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, rn, M, stride_xm, s * K_PER_SPLIT,
                                  N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
                 tl.debug_barrier()  # every thread's store of the running sum before any reload
                 acc = tl.load(run, mask=pmask, other=0.0) + nxt
         else:
             for s in range(1, SPLIT_K):
-                acc = acc + _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, M, stride_xm, s * K_PER_SPLIT,
-                                       N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
+                acc = acc + _split_acc(x_ptr, w_ptr, x_desc, w_desc, off_m, off_n, rn, M, stride_xm,
+                                       s * K_PER_SPLIT, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, tma, INTERPRET)
+    return acc
+
+
+@triton.jit
+def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M, stride_xm, stride_ym,
+                N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                SILU_GROUP: tl.constexpr = 0, HAS_RES: tl.constexpr = False, FOLD_MEM: tl.constexpr = False):
+    n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
+    pdl_enter(PDL)  # before any other global access (pdl.py)
+    # grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1 if FOLD else SPLIT_K), tiles in _tile_ids' order
+    pid, pid_k = tl.program_id(0), tl.program_id(2)
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= n_rows:
+        return
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    acc = _tile_sums(x_ptr, w_ptr, part_ptr, off_m, off_n, off_n + tl.arange(0, BLOCK_N), M, stride_xm, pid_k,
+                     N, K, K_PER_SPLIT, SPLIT_K, FOLD, FOLD_MEM, BLOCK_M, BLOCK_N, BLOCK_K, TMA, INTERPRET)
     rm = off_m + tl.arange(0, BLOCK_M)  # [BM] rows of y
     if SPLIT_K == 1 or FOLD:
         _store_tile(acc, bias_ptr, res_ptr, y_ptr, rm, off_n, M, stride_ym, N, HAS_BIAS, BLOCK_M, BLOCK_N,
@@ -378,3 +394,4 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
     if len(specs) > 1 and reduce:
         launch(specs[1], [ws, b, out, n_rows, m, strides_of(out)[0]])
     return out.array if getattr(out, "on_host", False) else out
+
