@@ -63,7 +63,9 @@ def _norm_rope(src, heads, h0, w_ptr, cos_ptr, sin_ptr, pos, max_pos, eps, offse
     ok = rot & (pos >= 0) & (pos < max_pos)
     cs = tl.load(cos_ptr + pos.to(tl.int64) * HALF + c, mask=ok, other=1.0)  # [BLOCK_D]
     sn = tl.load(sin_ptr + pos.to(tl.int64) * HALF + c, mask=ok, other=0.0)
-    y = tl.where(rot[None, :], x * cs[None, :] + sign[None, :] * xp * sn[None, :], x)
+    # one explicit fma, so that the rounding does not depend on how the compiler contracts the
+    # expression in this kernel's shape (gemm.gemm_rope_kernel computes the same in its epilogue)
+    y = tl.where(rot[None, :], tl.fma(x, cs[None, :], (sign[None, :] * xp) * sn[None, :]), x)
     return y, offs, mask
 
 
