@@ -292,12 +292,14 @@ def gemm_problems(graph: Graph, buckets: list[Bucket]) -> list[GemmProblem]:
     found: dict[tuple, set[int]] = {}
     residual: set[tuple] = set()
     for node in graph.topo_order():
-        if node.op not in ("linear", "linear_silu_mul", "linear_add"):
+        if node.op not in ("linear", "linear_silu_mul", "linear_add", "linear_rope"):
             continue
         n, k = graph.tensors[node.inputs[1]].shape
         lead = graph.tensors[node.inputs[0]].shape[0]
-        out = str(graph.tensors[node.outputs[0]].dtype)
-        has_bias = node.op == "linear" and len(node.inputs) > 2 and bool(node.inputs[2])  # (linear_add's 3rd: the residual)
+        out = str(graph.tensors[node.outputs[0]].dtype)  # (linear_rope's q: the model's dtype, as its GEMM's)
+        # linear_add's 3rd input is the residual; linear_rope's bias is its 6th (timed as the plain GEMM)
+        bias_at = {"linear": 2, "linear_rope": 5}.get(node.op)
+        has_bias = bias_at is not None and len(node.inputs) > bias_at and bool(node.inputs[bias_at])
         silu = node.attrs["group"] if node.op == "linear_silu_mul" else 0
         ms = found.setdefault((n, k, out, has_bias, silu), set())
         if node.op == "linear_add":

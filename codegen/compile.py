@@ -26,6 +26,9 @@ PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
 PDL_PLAIN_RULES = ("named", "none", "wide:N")  # see pdl_launches
 
 
+GEMM_KERNELS = ("gemm_kernel", "gemm_rope_kernel")  # the plain GEMM, and the q/k/v one with the preamble
+
+
 def pdl_launches(launches: list, plain: str = "named") -> list:
     """The plan's launches compiled for programmatic dependent launch (codegen/triton/pdl.py),
     but the GEMMs that `plain` names, which go out plainly:
@@ -47,11 +50,11 @@ def pdl_launches(launches: list, plain: str = "named") -> list:
     out, prev = [], None
     for spec, args in launches:
         go_plain = False
-        if prev is not None and spec.kernel == "gemm_kernel":
+        if prev is not None and spec.kernel in GEMM_KERNELS:
             if wide is not None:
                 go_plain = int(np.prod(prev.grid)) > wide
             elif plain == "named":
-                go_plain = prev.kernel == "gemm_kernel" or (
+                go_plain = prev.kernel in GEMM_KERNELS or (
                     prev.kernel == "paged_attention_kernel" and bool(prev.constexprs.get("MERGE")))
         out.append((spec if go_plain else spec.with_pdl(), args))
         prev = spec

@@ -203,6 +203,19 @@ class _Lowerer:
         tile = k_gemm.silu_tile(self.configs.gemm_tile(m, n, k, self.arch), silu_group)
         return red, tile, self.configs.gemm_fold(m, n, k, tile, red, self.arch)
 
+    def _rope_tables(self, a) -> tuple[Buf, Buf]:
+        """The preamble's cos/sin tables, f32 [max_pos, rotary_dim / 2], one const per rotary config."""
+        max_pos = min(a["max_position"], self.max_model_len)
+        digest = hashlib.sha256(repr((a["rotary_dim"], a["theta"], tuple(a["scaling"]), max_pos)).encode())
+        key = f"rope_{digest.hexdigest()[:12]}"
+        tables = {}
+
+        def make(i):
+            if "t" not in tables:
+                tables["t"] = rope_tables(a["rotary_dim"], a["theta"], tuple(a["scaling"]), max_pos)
+            return tables["t"][i]
+        return self.const(key + "_cos", lambda: make(0)), self.const(key + "_sin", lambda: make(1))
+
     def op_linear(self, node) -> None:
         x, w = node.inputs[0], node.inputs[1]
         bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
@@ -224,6 +237,25 @@ class _Lowerer:
                     arch=self.arch, reduce=not fuse)
         if fuse:  # the next add_rms_norm sums the partials itself: one launch less per GEMM
             self.partials[node.outputs[0]] = (ws, red.split_k)
+
+    def op_linear_rope(self, node) -> None:
+        """The q/k/v GEMM with the attention preamble in its epilogue (passes/fuse_rope_into_linear.py,
+        gemm.gemm_rope_kernel): q rotated into its output, k and v into the cache. The weight's
+        one reduction, split-K always folded (the kernel stores no partials): the bits of
+        linear + attention_preamble in every bucket."""
+        x, w, cache, pos, slots = node.inputs[:5]
+        bias = node.inputs[5] if len(node.inputs) > 5 and node.inputs[5] else None
+        q_out = self.buf(node.outputs[0])
+        n, k = self.g.tensors[w].shape
+        m, h, d = q_out.shape
+        red, tile, _ = self._gemm_schedule(m, n, k)
+        tile = k_gemm.rope_tile(tile, d, red, k)
+        ws = self.workspace("gemm_ws", (red.split_k, m, n)) if k_gemm.needs_workspace(red, tile, bool(tile.fold)) else None
+        cos, sin = self._rope_tables(node.attrs)
+        k_gemm.gemm_rope(self.buf(x), self.buf(w), self.buf(bias) if bias else None, q_out, self.buf(cache),
+                         self.buf(pos), self.buf(slots), cos, sin, h=h, hkv=self.g.tensors[cache].shape[3],
+                         n_rows=self.n_rows(x), workspace=ws, tile=tile, red=red, configs=self.configs,
+                         arch=self.arch)
 
     def op_linear_silu_mul(self, node) -> None:
         """The gate/up GEMM with the SwiGLU epilogue (passes/fuse_gate_up_silu.py): the same
@@ -303,16 +335,7 @@ class _Lowerer:
         q, k, v, cache, pos, slots = node.inputs[:6]
         qw, kw = (node.inputs[6], node.inputs[7]) if len(node.inputs) > 6 else (None, None)
         a = node.attrs
-        max_pos = min(a["max_position"], self.max_model_len)
-        digest = hashlib.sha256(repr((a["rotary_dim"], a["theta"], tuple(a["scaling"]), max_pos)).encode())
-        key = f"rope_{digest.hexdigest()[:12]}"
-        tables = {}
-
-        def make(i):
-            if "t" not in tables:
-                tables["t"] = rope_tables(a["rotary_dim"], a["theta"], tuple(a["scaling"]), max_pos)
-            return tables["t"][i]
-        cos, sin = self.const(key + "_cos", lambda: make(0)), self.const(key + "_sin", lambda: make(1))
+        cos, sin = self._rope_tables(a)
         k_pre.attention_preamble(self.buf(q), self.buf(k), self.buf(v), self.buf(cache), self.buf(pos),
                                  self.buf(slots), cos, sin, self.buf(qw) if qw else None,
                                  self.buf(kw) if kw else None, self.buf(node.outputs[0]),

@@ -279,6 +279,30 @@ def linear_add(x, w, residual):
     return add(linear(x, w), residual)
 
 
+def _infer_linear_rope(ins, attrs):
+    x, w, cache = ins[0], ins[1], ins[2]
+    h, d = attrs["heads"], attrs["head_dim"]
+    hkv = cache.shape[3]
+    if x.shape[-1] != w.shape[1] or w.shape[0] != (h + 2 * hkv) * d:
+        raise ValueError(f"linear_rope: weight {w.name} {list(w.shape)} is not [(H + 2 Hkv) D = {(h + 2 * hkv) * d}, "
+                         f"{x.shape[-1]}]")
+    return [(x.dtype, (x.shape[0], h, d)), (cache.dtype, cache.shape)]
+
+
+@OPS.register("linear_rope", inputs=(5, 6), inplace={1: 2}, infer=_infer_linear_rope)
+def linear_rope(x, w, cache, positions, slot_mapping, bias=None, *, heads: int, head_dim: int, theta: float,
+                rotary_dim: int, is_neox: bool = True, scaling: tuple = (), max_position: int = 2048):
+    """attention_preamble (no q/k norm) of the q, k and v heads of linear(x, w[, bias]), w the
+    stacked [Wq; Wk; Wv] (passes/fuse_rope_into_linear.py): -> (rotated q [T, H, D], cache)."""
+    y = linear(x, w, *([] if bias is None else [bias]))
+    t, hkv, d = y.shape[0], cache.shape[3], head_dim
+    q = y[:, :heads * d].reshape(t, heads, d)
+    k = np.ascontiguousarray(y[:, heads * d:(heads + hkv) * d]).reshape(t, hkv, d)
+    v = np.ascontiguousarray(y[:, (heads + hkv) * d:]).reshape(t, hkv, d)
+    return attention_preamble(np.ascontiguousarray(q), k, v, cache, positions, slot_mapping, theta=theta,
+                              rotary_dim=rotary_dim, is_neox=is_neox, scaling=scaling, max_position=max_position)
+
+
 def _infer_preamble(ins, attrs):
     return [(ins[0].dtype, ins[0].shape), (ins[3].dtype, ins[3].shape)]
 

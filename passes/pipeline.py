@@ -16,15 +16,17 @@ from kiln.passes.fold_cast_into_linear import FoldCastIntoLinear
 from kiln.passes.fuse_attention_preamble import FuseAttentionPreamble
 from kiln.passes.fuse_gate_up_silu import FuseGateUpSilu
 from kiln.passes.fuse_residual_into_linear import FuseResidualIntoLinear
+from kiln.passes.fuse_rope_into_linear import FuseRopeIntoLinear
 from kiln.passes.fuse_silu_mul import FuseSiluMul
 from kiln.passes.merge_parallel_linears import MergeParallelLinears
 from kiln.passes.sink_logits_gather import SinkLogitsGather
 
 
-def default_passes(fuse_silu: bool = True, fuse_residual: bool = True) -> list[Pass]:
+def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope: bool = True) -> list[Pass]:
     """fuse_silu=False keeps the MLP's silu_mul a launch of its own after the gate/up GEMM
     (the graph before passes/fuse_gate_up_silu.py, for A/B: bench/gpu_shape_decode.py --fuse-silu);
-    fuse_residual=False keeps the residual add in the norm's launch (passes/fuse_residual_into_linear.py)."""
+    fuse_residual=False keeps the residual add in the norm's launch (passes/fuse_residual_into_linear.py);
+    fuse_rope=False keeps the attention preamble a launch of its own (passes/fuse_rope_into_linear.py)."""
     return [
         EliminateDeadCode(),
         SinkLogitsGather(),
@@ -34,6 +36,7 @@ def default_passes(fuse_silu: bool = True, fuse_residual: bool = True) -> list[P
         FuseSiluMul(),
         *([FuseGateUpSilu()] if fuse_silu else []),
         FuseAttentionPreamble(),
+        *([FuseRopeIntoLinear()] if fuse_rope else []),
         FoldCastIntoLinear(),
         EliminateDeadCode(),
     ]

@@ -85,9 +85,9 @@ def test_fp8_bundle_is_its_own(tmp_path):
                        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=16)
     assert b.manifest["kv_cache_dtype"] == "fp8e4m3"
     assert {d for d, _ in b.manifest["states"].values()} == {"fp8e4m3"}
-    readers = [k for k in b.manifest["kernels"].values()
-               if k["name"].startswith(("paged_attention_kernel", "attention_preamble_kernel"))]
-    assert {k["name"].split("_kernel")[0] for k in readers} == {"paged_attention", "attention_preamble"}
+    readers = [k for k in b.manifest["kernels"].values()  # the q/k/v GEMM writes K and V (preamble epilogue)
+               if k["name"].startswith(("paged_attention_kernel", "gemm_rope_kernel"))]
+    assert {k["name"].split("_kernel")[0] for k in readers} == {"paged_attention", "gemm_rope"}
     assert all("*fp8e4nv" in k["signature"] for k in readers)  # the cache pointer
 
 

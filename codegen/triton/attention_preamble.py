@@ -98,13 +98,13 @@ def attention_preamble_kernel(q_ptr, k_ptr, v_ptr, stride_qt, stride_kt, stride_
             d = tl.arange(0, BLOCK_D)
             dst = cache_ptr + (slot // BS).to(tl.int64) * stride_cb + (slot % BS) * stride_cp \
                 + h[:, None] * stride_ch + d[None, :]
-            tl.store(dst, _to_cache(y.to(v_ptr.dtype.element_ty), cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, to_cache(y.to(v_ptr.dtype.element_ty), cache_ptr.dtype.element_ty), mask=mask)
             v = tl.load(v_ptr + t64 * stride_vt + offs, mask=mask, other=0.0)
-            tl.store(dst + stride_ckv, _to_cache(v, cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_ckv, to_cache(v, cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _to_cache(x, CT: tl.constexpr):
+def to_cache(x, CT: tl.constexpr):
     """x (the model's dtype: ops.rope rounded k there) -> the cache's element type CT. An fp8
     cache saturates at e4m3's largest finite value, as ops.to_cache does (scale 1.0)."""
     if CT == tl.float8e4nv:

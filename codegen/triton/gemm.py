@@ -49,6 +49,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from kiln.codegen.triton.attention_preamble import to_cache
 from kiln.codegen.triton.configs import DEFAULT, Configs, GemmReduction, GemmTile, with_tma
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, check_inner_contiguous,
                                         check_shape, dtype_name, launch, shape_of, sig_type, strides_of)
@@ -231,6 +232,113 @@ def gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, n_rows_ptr, M,
 
 
 @triton.jit
+def _rope_pair_cols(pid_n, j, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """gemm_rope_kernel's columns for tile column j of column block pid_n. BLOCK_N >= D: the
+    block's own (whole heads). BLOCK_N < D: half a block from the first half of a head and
+    the matching half from its second (RoPE's neox pairs i and i + D/2 in one tile):
+    head pid_n // (D / BN), dims i BN/2 + [0, BN/2) and D/2 + i BN/2 + [0, BN/2)."""
+    if BLOCK_N >= D:
+        return pid_n * BLOCK_N + j
+    else:
+        W: tl.constexpr = BLOCK_N // 2
+        head = pid_n // (D // BLOCK_N)
+        i = pid_n % (D // BLOCK_N)
+        return head * D + i * W + j % W + (j // W) * (D // 2)
+
+
+@triton.jit
+def _rope_table_rows(cos_ptr, sin_ptr, pos, d1, max_pos, HALF: tl.constexpr):
+    """cos, sin [BM, dims d1] at each row's position (1 and 0 where it is out of the tables, as the preamble)."""
+    ok = ((pos >= 0) & (pos < max_pos))[:, None]
+    toff = pos.to(tl.int64)[:, None] * HALF + d1[None, :]
+    return tl.load(cos_ptr + toff, mask=ok, other=1.0), tl.load(sin_ptr + toff, mask=ok, other=0.0)
+
+
+@triton.jit
+def gemm_rope_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, n_rows_ptr, M, stride_xm,
+                     q_out_ptr, stride_qo, cache_ptr, stride_cb, stride_ckv, stride_cp, stride_ch,
+                     cos_ptr, sin_ptr, positions_ptr, slot_ptr, max_pos,
+                     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FOLD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, TMA: tl.constexpr, INTERPRET: tl.constexpr,
+                     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     PDL: tl.constexpr = False, FOLD_MEM: tl.constexpr = False):
+    """The q/k/v projection with the attention preamble in its epilogue (no q/k norm, full
+    rotary, neox pairs): y = x @ w^T (+ bias) over [q heads | k heads | v heads] of D columns,
+    rounded to the model's dtype as gemm_kernel stores it, then attention_preamble's RoPE on
+    the q and k heads, in its f32 formula, q to q_out [T, H, D], k and v into the paged cache at
+    slot_mapping[t] (-1: nothing). The sums are gemm_kernel's (the same K order whichever
+    program holds a column), the epilogue the preamble kernel's, so the bits of gemm +
+    attention_preamble: one launch and the qkv tensor's round trip less.
+    grid: (cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M), 1, 1); split-K only folded (no partials)."""
+    n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
+    pid = tl.program_id(0)
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    rm = off_m + tl.arange(0, BLOCK_M)
+    live = tl.minimum(rm, M - 1)  # the step inputs' rows (the bucket's M entries)
+    # Small (decode) tiles read what the epilogue needs before the K loop, where its latency hides:
+    # the positions and slots (step inputs: before the PDL wait), the rotary tables' rows. A
+    # prefill tile's would hold registers through the loop (a 128 x 256 tile spilled), so it
+    # reads them after.
+    EARLY: tl.constexpr = BLOCK_M * BLOCK_N <= 2048
+    if EARLY:
+        pos = pdl_step_input(positions_ptr + live, PDL)  # [BM]
+        slot = pdl_step_input(slot_ptr + live, PDL)
+    pdl_enter(PDL)  # before any other global access (pdl.py)
+    if off_m >= n_rows:
+        return
+    j = tl.arange(0, BLOCK_N)
+    rn = _rope_pair_cols(pid_n, j, BLOCK_N, D)
+    # the head and first-half dim of each (x1, x2) pair the epilogue splits the tile into
+    NHT: tl.constexpr = BLOCK_N // D if BLOCK_N >= D else 1  # heads in the tile
+    W: tl.constexpr = D // 2 if BLOCK_N >= D else BLOCK_N // 2  # first-half dims per head in it
+    HALF: tl.constexpr = D // 2
+    e = tl.arange(0, NHT * W)
+    if BLOCK_N >= D:
+        head = pid_n * NHT + e // W  # [NHT W] the head and first-half dim of each (x1, x2) pair below
+        d1 = e % W
+    else:
+        head = pid_n // (D // BLOCK_N) + e * 0
+        d1 = (pid_n % (D // BLOCK_N)) * W + e
+    if EARLY:
+        cs, sn = _rope_table_rows(cos_ptr, sin_ptr, pos, d1, max_pos, HALF)
+    acc = _tile_sums(x_ptr, w_ptr, part_ptr, off_m, off_n, rn, M, stride_xm, 0,
+                     N, K, K_PER_SPLIT, SPLIT_K, FOLD, FOLD_MEM, BLOCK_M, BLOCK_N, BLOCK_K, TMA, INTERPRET)
+    dt = q_out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    if not EARLY:
+        pos = tl.load(positions_ptr + live)
+        slot = tl.load(slot_ptr + live)
+        cs, sn = _rope_table_rows(cos_ptr, sin_ptr, pos, d1, max_pos, HALF)
+    x = acc.to(dt).to(tl.float32)  # the qkv tensor gemm_kernel would store, as the preamble reads it
+    x1, x2 = tl.split(tl.permute(tl.reshape(x, (BLOCK_M, NHT, 2, W)), (0, 1, 3, 2)))
+    x1 = tl.reshape(x1, (BLOCK_M, NHT * W))  # dims d1 of each head, and x2 their partners d1 + D/2
+    x2 = tl.reshape(x2, (BLOCK_M, NHT * W))
+    # attention_preamble._norm_rope's y = x cs + (sign xp) sn, sign -1 for the first half
+    y1 = tl.fma(x1, cs, (-x2) * sn)
+    y2 = tl.fma(x2, cs, x1 * sn)
+    is_v = head >= H + HKV  # [NHT W]
+    y1 = tl.where(is_v[None, :], x1, y1).to(dt)
+    y2 = tl.where(is_v[None, :], x2, y2).to(dt)
+    rows = (rm[:, None] < M) & (head < H + 2 * HKV)[None, :]  # (a last block of whole heads past N: none)
+    is_q = (head < H)[None, :]
+    qo = q_out_ptr + rm.to(tl.int64)[:, None] * stride_qo + (head * D + d1)[None, :]
+    tl.store(qo, y1, mask=rows & is_q)
+    tl.store(qo + HALF, y2, mask=rows & is_q)
+    kv = tl.where(is_v, 1, 0)  # K (0) or V (1) half of the cache block
+    kvh = tl.where(is_v, head - H - HKV, head - H)
+    dst = cache_ptr + (slot // BS).to(tl.int64)[:, None] * stride_cb + (slot % BS)[:, None] * stride_cp \
+        + (kv * stride_ckv + kvh * stride_ch + d1)[None, :]
+    ct = cache_ptr.dtype.element_ty
+    wr = rows & (slot >= 0)[:, None] & (head >= H)[None, :]
+    tl.store(dst, to_cache(y1, ct), mask=wr)
+    tl.store(dst + HALF, to_cache(y2, ct), mask=wr)
+
+
+@triton.jit
 def gemm_reduce_kernel(part_ptr, bias_ptr, y_ptr, n_rows_ptr, M, stride_ym,
                        N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
@@ -395,3 +503,94 @@ def gemm(x, w, bias=None, out=None, *, n_rows=None, workspace=None, tile: GemmTi
         launch(specs[1], [ws, b, out, n_rows, m, strides_of(out)[0]])
     return out.array if getattr(out, "on_host", False) else out
 
+
+def rope_tile(tile: GemmTile, d: int, red: GemmReduction, k: int) -> GemmTile:
+    """The tile gemm_rope_kernel runs: pointer loads where BLOCK_N < D (its columns are two runs
+    of a head, not one box; BLOCK_N and D powers of two, so the tile holds whole neox pairs,
+    _rope_pair_cols), and split-K folded (the kernel stores no partials), its K block halved
+    where a split would hold fewer than two (gemm_specs' fold rule). Schedule knobs only: the
+    sums do not change (gemm.py)."""
+    if tile.block_n < d and tile.tma:
+        tile = replace(tile, tma=False)
+    if red.split_k > 1:
+        per, bk = red.k_per_split(k), tile.block_k or red.block_k
+        while bk > 16 and per < 2 * bk:
+            bk //= 2
+        check(per >= 2 * bk and per % bk == 0, f"gemm_rope: split-K {red.split_k} of K={k} leaves a split "
+              f"too short to fold ({per} columns)")
+        tile = replace(tile, fold=True, block_k=bk if bk != red.block_k else tile.block_k)
+    return tile
+
+
+def gemm_rope_specs(m: int, n: int, k: int, *, h: int, hkv: int, d: int, bs: int, dtype: str = "bfloat16",
+                    cache_dtype: str | None = None, has_bias: bool = False, stride_xm: int | None = None,
+                    stride_qo: int | None = None, tile: GemmTile, red: GemmReduction) -> list[KernelSpec]:
+    """The one launch of gemm_rope (rope_tile: split-K folded into it, no partials to reduce)."""
+    check(d >= 2 and d & (d - 1) == 0, f"gemm_rope: the head dim ({d}) must be a power of two")
+    check(n == (h + 2 * hkv) * d, f"gemm_rope: N={n} is not (H + 2 Hkv) D = {(h + 2 * hkv) * d}")
+    tile = rope_tile(tile, d, red, k)
+    main = gemm_specs(m, n, k, x_dtype=dtype, out_dtype=dtype, has_bias=has_bias, stride_xm=stride_xm,
+                      tile=tile, red=red)[0]
+    c = {key: v for key, v in main.constexprs.items() if key not in ("SILU_GROUP", "HAS_RES")}
+    t = sig_type
+    i32 = lambda *names: {nm: "i32" for nm in names}
+    sig = {"x_ptr": t(dtype), "w_ptr": t(dtype), "bias_ptr": t(dtype), "part_ptr": "*fp32", "n_rows_ptr": "*i32",
+           **i32("M", "stride_xm"), "q_out_ptr": t(dtype), **i32("stride_qo"), "cache_ptr": t(cache_dtype or dtype),
+           **i32("stride_cb", "stride_ckv", "stride_cp", "stride_ch"), "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+           "positions_ptr": "*i32", "slot_ptr": "*i32", **i32("max_pos")}
+    div = tuple(a for a, v in (("M", m), ("stride_xm", stride_xm or k), ("stride_qo", stride_qo or h * d))
+                if v % 16 == 0)
+    return [KernelSpec(module=__name__, kernel="gemm_rope_kernel", signature=sig,
+                       constexprs=dict(c, H=h, HKV=hkv, D=d, BS=bs), grid=(main.grid[0], 1, 1),
+                       num_warps=main.num_warps, num_stages=main.num_stages,
+                       divisible=("x_ptr", "w_ptr", "bias_ptr", "part_ptr", "n_rows_ptr", "q_out_ptr", "cache_ptr",
+                                  "cos_ptr", "sin_ptr", "positions_ptr", "slot_ptr") + div)]
+
+
+def gemm_rope(x, w, bias, q_out, cache, positions, slot_mapping, cos, sin, *, h: int, hkv: int, n_rows=None,
+              workspace=None, tile: GemmTile | None = None, red: GemmReduction | None = None,
+              configs: Configs = DEFAULT, arch: str = "sm_90"):
+    """q/k/v projection + attention_preamble (no q/k norm, full rotary, neox) in one launch:
+    x: [M, K], w: [(H + 2 Hkv) D, K] (the stacked q, k, v rows), bias: [N] | None ->
+    q_out: [M, H, D] (written), cache: [NB, 2, BS, Hkv, D] (k and v written at slot_mapping);
+    positions, slot_mapping: i32[M]; cos, sin: f32[max_pos, D / 2]. The same bits as gemm()
+    into a qkv tensor followed by attention_preamble on its three views. workspace: f32[S, M, N]
+    where a folded split-K tile parks its running sum (needs_workspace)."""
+    x, w, bias, q_out, cache, positions, slot_mapping, cos, sin, n_rows, workspace = map(
+        as_buf, (x, w, bias, q_out, cache, positions, slot_mapping, cos, sin, n_rows, workspace))
+    (m, k), (n, k2) = shape_of(x), shape_of(w)
+    check(k == k2, f"gemm_rope: x has K={k}, w has K={k2}")
+    check(dtype_name(w) == dtype_name(x) and dtype_name(q_out) == dtype_name(x), "gemm_rope: dtypes differ")
+    check_inner_contiguous(x, "gemm_rope x")
+    check_inner_contiguous(w, "gemm_rope w", 2)
+    nb, two, bs, hkv2, d = shape_of(cache)
+    check(two == 2 and hkv2 == hkv, f"gemm_rope: cache {list(shape_of(cache))} is not [NB, 2, BS, {hkv}, D]")
+    check(dtype_name(cache) in (dtype_name(x), "float8_e4m3fn"), "gemm_rope: cache dtype")
+    check_inner_contiguous(cache, "gemm_rope cache", 2)
+    check(shape_of(q_out) == (m, h, d), f"gemm_rope: q_out must be [{m}, {h}, {d}]")
+    check_inner_contiguous(q_out, "gemm_rope q_out", 2)
+    max_pos, half = shape_of(cos)
+    check(2 * half == d and shape_of(sin) == (max_pos, half), "gemm_rope: cos/sin must be f32[max_pos, D / 2] "
+          "(full rotary)")
+    for b, name in ((positions, "positions"), (slot_mapping, "slot_mapping")):
+        check_shape(b, (m,), name)
+    if bias is not None:
+        check_shape(bias, (n,), "gemm_rope bias")
+    red = red or configs.gemm_reduction(n, k)
+    tile = with_tma(tile, arch) if tile else configs.gemm_tile(m, n, k, arch)
+    tile = rope_tile(tile, d, red, k)
+    if needs_workspace(red, tile, bool(tile.fold)):
+        if workspace is None:
+            check(getattr(q_out, "on_host", False), "gemm_rope: a tile folding through memory needs a workspace")
+            workspace = as_buf(np.empty((red.split_k, m, n), dtype=np.float32))
+        check_shape(workspace, (red.split_k, m, n), "gemm_rope workspace")
+    if n_rows is None:
+        n_rows = as_buf(np.array([m], dtype=np.int32))
+    spec, = gemm_rope_specs(m, n, k, h=h, hkv=hkv, d=d, bs=bs, dtype=dtype_name(x), cache_dtype=dtype_name(cache),
+                            has_bias=bias is not None, stride_xm=strides_of(x)[0], stride_qo=strides_of(q_out)[0],
+                            tile=tile, red=red)
+    sc = strides_of(cache)
+    launch(spec, [x, w, bias if bias is not None else x, workspace if workspace is not None else q_out, n_rows, m,
+                  strides_of(x)[0], q_out, strides_of(q_out)[0], cache, sc[0], sc[1], sc[2], sc[3], cos, sin,
+                  positions, slot_mapping, max_pos])
+    return q_out.array if getattr(q_out, "on_host", False) else q_out

@@ -17,7 +17,7 @@ from kiln.codegen.triton.argmax import argmax_spec
 from kiln.codegen.triton.attention_preamble import attention_preamble_spec
 from kiln.codegen.triton.configs import DEFAULT, AttentionConfig, GemmReduction
 from kiln.codegen.triton.gather import gather_rows_spec
-from kiln.codegen.triton.gemm import gemm_specs
+from kiln.codegen.triton.gemm import gemm_rope_specs, gemm_specs
 from kiln.codegen.triton.launch import KernelSpec
 from kiln.codegen.triton.paged_attention_launch import paged_attention_specs
 from kiln.codegen.triton.rms_norm import rms_norm_spec
@@ -43,6 +43,13 @@ def all_specs():
         tile = replace(c.gemm_tile(m, 2 * I, HID), fold=fold)
         specs += gemm_specs(m, 2 * I, HID, tile=tile, red=red, silu_group=16)
     specs += gemm_specs(S, V, HID, out_dtype="float32", tile=c.gemm_tile(S, V, HID), red=c.gemm_reduction(V, HID))
+    # the q/k/v GEMM with the attention preamble in its epilogue: decode (half-head pairs, an e4m3
+    # cache), 128x256 TMA (two heads a tile)
+    n_qkv = (H + 2 * HKV) * D
+    specs += gemm_rope_specs(1, n_qkv, HID, h=H, hkv=HKV, d=D, bs=BS, cache_dtype="float8_e4m3fn",
+                             tile=c.gemm_tile(1, n_qkv, HID), red=c.gemm_reduction(n_qkv, HID))
+    specs += gemm_rope_specs(2048, n_qkv, HID, h=H, hkv=HKV, d=D, bs=BS, has_bias=True,
+                             tile=c.gemm_tile(2048, n_qkv, HID), red=c.gemm_reduction(n_qkv, HID))
     specs.append(rms_norm_spec(T, 1, HID, has_residual=False, config=c.row("rms_norm", HID)))
     specs.append(rms_norm_spec(T, 1, HID, has_residual=True, config=c.row("rms_norm", HID)))
     specs.append(silu_mul_spec(T, I, config=c.elementwise("silu_mul", I)))
@@ -69,7 +76,7 @@ def all_specs():
 
 def test_every_kernel_is_covered():
     kernels = {s.kernel for s in all_specs()}
-    assert kernels == {"gemm_kernel", "gemm_reduce_kernel", "rms_norm_kernel", "silu_mul_kernel",
+    assert kernels == {"gemm_kernel", "gemm_reduce_kernel", "gemm_rope_kernel", "rms_norm_kernel", "silu_mul_kernel",
                        "attention_preamble_kernel", "paged_attention_kernel", "attention_merge_kernel",
                        "gather_rows_kernel", "argmax_kernel"}
 
@@ -88,7 +95,7 @@ def test_every_kernel_compiles_for_both_archs(tmp_path):
         assert c.num_warps == spec.num_warps, where
         assert c.n_hidden == 2, where  # Triton 3.6: global + profile scratch pointers
         # null global scratch pointers are fine, but for the GEMM building 2 TMA descriptors
-        tma = spec.kernel == "gemm_kernel" and spec.constexprs["TMA"]
+        tma = spec.kernel in ("gemm_kernel", "gemm_rope_kernel") and spec.constexprs["TMA"]
         assert c.global_scratch_size == (256 if tma else 0), where
         assert c.shared <= (227 if arch == "sm_90" else 99) * 1024, where
     t0 = time.perf_counter()

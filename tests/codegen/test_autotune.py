@@ -63,12 +63,13 @@ def specs_of(timed: Timed):
     return [s for s, _ in timed.reps[0]]
 
 
-def tiny_graph(fuse_silu=False, **extra):
-    """fuse_silu=False (the tuner tests' graph): silu_mul stays a launch, a row op to tune;
-    the gate/up GEMM's SwiGLU epilogue (fuse_silu=True) is the default pipeline's."""
+def tiny_graph(fuse_silu=False, fuse_rope=False, **extra):
+    """fuse_silu=False, fuse_rope=False (the tuner tests' graph): silu_mul and the attention
+    preamble stay launches, row ops to tune; the gate/up GEMM's SwiGLU epilogue and the q/k/v
+    GEMM's preamble epilogue (True) are the default pipeline's."""
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, **extra})
     return cfg, run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16),
-                             default_passes(fuse_silu=fuse_silu))
+                             default_passes(fuse_silu=fuse_silu, fuse_rope=fuse_rope))
 
 
 def lowered(graph, bucket: Bucket, buckets, max_model_len: int, configs=DEFAULT):
@@ -214,25 +215,38 @@ def test_gemm_objective_keep_re_tunes_only_the_tiles_under_the_known_reductions(
     assert all(specs_of(t)[0].constexprs["SPLIT_K"] == 1 for t in stage2)
 
 
+def loop(spec) -> tuple:
+    """A GEMM spec's weight, tile and K loop (what its epilogue leaves alone)."""
+    keys = ("N", "K", "K_PER_SPLIT", "SPLIT_K", "BLOCK_M", "BLOCK_N", "BLOCK_K", "TMA", "GROUP_M")
+    return tuple(spec.constexprs[k] for k in keys) + (spec.num_warps, spec.num_stages)
+
+
 def test_the_gemm_rig_times_the_kernels_a_bundle_runs():
-    _, graph = tiny_graph(fuse_silu=True, hidden_size=256, intermediate_size=512)  # gate/up with its epilogue
+    # gate/up with its SwiGLU epilogue, q/k/v with the attention preamble in its epilogue
+    _, graph = tiny_graph(fuse_silu=True, fuse_rope=True, hidden_size=256, intermediate_size=512)
     buckets = make_buckets(4, 64)
     bundle = {cache_key(s, "sm_90"): s for b in buckets for s, _ in lowered(graph, b, buckets, 128)
               if s.kernel.startswith("gemm")}
     bench = FakeBench(lambda t: 1.0)
-    rig_keys = set()
+    rig = {}
     for p in gemm_problems(graph, buckets):
-        rig = _GemmRig(bench, p)
+        r = _GemmRig(bench, p)
         for b in buckets:
             m = b.logits if p.out_dtype == "f32" else b.tokens
             red, tile = DEFAULT.gemm_reduction(p.n, p.k), DEFAULT.gemm_tile(m, p.n, p.k)
-            rig_keys |= {cache_key(s, "sm_90") for s in specs_of(rig.timed(m, tile, red))}
+            rig |= {cache_key(s, "sm_90"): s for s in specs_of(r.timed(m, tile, red))}
+    rig_keys = set(rig)
     # every GEMM kernel of the bundle, integer hints included; but the last layer's down is a plain
     # linear (its sum is gathered before the final norm), timed as the other layers' residual-epilogue
-    # twin: the same tile and main loop plus one load
-    assert rig_keys <= set(bundle)
+    # twin: the same tile and main loop plus one load; and q/k/v, with the attention preamble in its
+    # epilogue (gemm_rope_kernel), is timed as the plain GEMM of its weight and tile: the same K loop
+    rope = {loop(s) for s in bundle.values() if s.kernel == "gemm_rope_kernel"}
+    assert rope and all(key in bundle or loop(s) in rope for key, s in rig.items())
     for key in set(bundle) - rig_keys:
         spec = bundle[key]
+        if spec.kernel == "gemm_rope_kernel":
+            assert loop(spec) in {loop(s) for s in rig.values()}, spec
+            continue
         twin = dataclasses.replace(spec, constexprs={**spec.constexprs, "HAS_RES": True})
         assert not spec.constexprs.get("HAS_RES") and cache_key(twin, "sm_90") in rig_keys, spec
 
@@ -566,7 +580,10 @@ def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_pat
     assert sorted(f.name for f in folder.iterdir()) == ["attention.yaml", "gemm.yaml", "rows.yaml"]
     assert (folder / "gemm.yaml").read_text() == gemm
     sched = Schedules.read("sm_90", tmp_path / "schedules")
-    assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS} - {"silu_mul"}
+    # the default pipeline leaves no silu_mul (the gate/up GEMM's epilogue) and, for Llama, no
+    # attention_preamble launch (the q/k/v GEMM's epilogue) to tune
+    assert set(sched.entries) == {"gemm_reduction", "gemm_tile", "paged_attention", *ROW_OPS} - {"silu_mul",
+                                                                                                "attention_preamble"}
     assert all(e["num_warps"] == 4 for e in sched.entries["gather_rows"])  # the fewest warps, or the default's bits
 
 
@@ -595,10 +612,11 @@ def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkey
     assert main(["tune", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "schedules"), "--compile-only",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
     assert not (tmp_path / "schedules").exists()
-    # no silu_mul (the gate/up GEMM's epilogue) and no attention_merge (split decode merges in
-    # the attention kernel; prefill does not split)
+    # no silu_mul (the gate/up GEMM's epilogue), no attention_preamble (Llama's is the q/k/v GEMM's
+    # epilogue, timed as its plain GEMM) and no attention_merge (split decode merges in the
+    # attention kernel; prefill does not split)
     assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "rms_norm_kernel",
-                     "attention_preamble_kernel", "gather_rows_kernel"}
+                     "gather_rows_kernel"}
     assert "nothing timed, nothing written" in capsys.readouterr().err
 
 
@@ -615,8 +633,8 @@ def test_tune_times_attention_and_the_preamble_over_the_cache_dtype_asked_for(tm
     monkeypatch.setattr(cuda_driver, "CudaContext", Ctx)
     monkeypatch.setattr(autotune, "Bench", lambda ctx, arch, progress: benches.append(FakeBench(lambda t: 1.0))
                         or benches[-1])
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "model").mkdir()  # Qwen3: its q/k norm keeps the attention preamble a launch of its own
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**BASE, "architectures": ["Qwen3ForCausalLM"]}))
     assert main(["tune", "--model", str(tmp_path / "model"), "--kernels", "attention,rows", "--kv-cache-dtype", "fp8",
                  "--out", str(tmp_path / "schedules"), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]) == 0
     caches = {s.kernel: s.signature["cache_ptr"] for t in benches[0].timed for s in specs_of(t)

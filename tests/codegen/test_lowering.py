@@ -60,11 +60,11 @@ def _fold_mixed_through_memory(op, key):
     return _fold_mixed(op, key)
 
 
-def _model(arch, fuse_silu=True, fuse_residual=True):
+def _model(arch, fuse_silu=True, fuse_residual=True, fuse_rope=True):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "num_hidden_layers": 2,
                                     "max_position_embeddings": MAX_LEN})
     graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16, block_size=BS),
-                         default_passes(fuse_silu=fuse_silu, fuse_residual=fuse_residual))
+                         default_passes(fuse_silu=fuse_silu, fuse_residual=fuse_residual, fuse_rope=fuse_rope))
     rng = np.random.default_rng(0)
     weights = {n: (rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 1.5 / shape[-1] ** 0.5)
                    + (1.0 if n.endswith("norm.weight") else 0.0)).astype(to_numpy(DType.bf16))
@@ -167,8 +167,9 @@ def test_folded_plan_gives_the_split_plans_bits(through_memory):
     mixed bucket's GEMMs (in registers, or through the workspace for tiles too large for two
     accumulators): the logits of a mixed step and of the decode step after it are the
     same bits. The fold replaces the fused norms' partial sums there, so this also proves that
-    the norm reading a folded GEMM's output rounds as the norm summing partials does."""
-    cfg, graph, weights = _model("LlamaForCausalLM")
+    the norm reading a folded GEMM's output rounds as the norm summing partials does. (The q/k/v
+    GEMM stays a plain one here: with the preamble in its epilogue it always folds.)"""
+    cfg, graph, weights = _model("LlamaForCausalLM", fuse_rope=False)
     split = _Plan(cfg, graph, weights, Configs(lookup=_split_everything))
     fold = _Plan(cfg, graph, weights, Configs(lookup=_fold_mixed_through_memory if through_memory else _fold_mixed))
     mixed = fold.launches(BUCKETS[1])
@@ -239,6 +240,36 @@ def test_residual_epilogue_plan_gives_the_unfused_plans_bits(configs):
     for (got, _), (want, _), what in zip(fused.prefill_then_decode(), plain.prefill_then_decode(),
                                          ("mixed", "decode")):
         assert same_bits(got, want), f"{what} step: the residual-epilogue plan's logits differ from the unfused plan's"
+
+
+@pytest.mark.parametrize("configs", ["default", "split"])
+def test_rope_epilogue_plan_gives_the_unfused_plans_bits(configs):
+    """The q/k/v GEMM with the attention preamble in its epilogue (gemm_rope_kernel: Llama's
+    full-rotary neox heads, no q/k norm) in every bucket: one launch less a layer, and the
+    logits of a padded mixed step and of the decode step after it (which reads the K/V the
+    mixed step cached) are the bits of the plan with the preamble's own launch. "split":
+    q/k/v in split-K 2, which the fused GEMM folds. Qwen3's q/k norm keeps the preamble."""
+    lookup = {"default": None, "split": _split_everything}[configs]
+    cfg, graph, w = _model("LlamaForCausalLM")
+    _, plain_graph, _ = _model("LlamaForCausalLM", fuse_rope=False)
+    assert sum(n.op == "linear_rope" for n in graph.nodes.values()) == cfg.num_hidden_layers
+    fused = _Plan(cfg, graph, w, Configs(lookup=lookup))
+    plain = _Plan(cfg, plain_graph, w, Configs(lookup=lookup))
+    for b in BUCKETS:
+        kernels = lambda plan: [spec.kernel for spec, _ in plan.lowered[b]]
+        assert kernels(fused).count("gemm_rope_kernel") == cfg.num_hidden_layers
+        assert "attention_preamble_kernel" not in kernels(fused)
+        folded = kernels(plain).count("gemm_reduce_kernel") - kernels(fused).count("gemm_reduce_kernel")
+        assert folded == (cfg.num_hidden_layers if configs == "split" else 0)  # q/k/v's reduce launch
+        assert len(kernels(fused)) == len(kernels(plain)) - cfg.num_hidden_layers - folded
+    for (got, _), (want, _), what in zip(fused.prefill_then_decode(), plain.prefill_then_decode(),
+                                         ("mixed", "decode")):
+        assert same_bits(got, want), f"{what} step: the rope-epilogue plan's logits differ from the unfused plan's"
+    qcfg, qgraph, qw = _model("Qwen3ForCausalLM")
+    qplan = _Plan(qcfg, qgraph, qw, Configs())
+    for b in BUCKETS:
+        names = [spec.kernel for spec, _ in qplan.lowered[b]]
+        assert "gemm_rope_kernel" not in names and names.count("attention_preamble_kernel") == qcfg.num_hidden_layers
 
 
 def _small_segments(op, key):

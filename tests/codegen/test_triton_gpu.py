@@ -209,6 +209,49 @@ def test_gemm_silu_epilogue_gives_gemm_then_silu_mul_bits_on_gpu(split, tma):
             gemm(x, inter, None, got, n_rows=nr, workspace=ws, tile=tile, red=red, silu_group=16)
             assert same_bits(host(got), host(want)), f"{name} tile, M={m}, tma={tma}, fold={fold}: bits differ"
 
+@pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_gemm_rope_epilogue_gives_gemm_then_preamble_bits_on_gpu(cache_dtype):
+    """The q/k/v GEMM with RoPE and the cache write in its epilogue (gemm_rope_kernel) against the
+    plain GEMM into qkv then attention_preamble_kernel, at Llama-8B's heads: the same q and cache
+    bytes for decode tiles narrower than a head (pointer loads, each program half of a head's
+    pairs), a 128 x 256 TMA tile (two heads), split-K folded, ragged M; so the epilogue's
+    explicit fma rounds as the preamble's does on the GPU."""
+    from kiln.codegen.triton import reference as R
+    from kiln.codegen.triton.attention_preamble import attention_preamble
+    from kiln.codegen.triton.gemm import gemm, gemm_rope
+
+    rng = np.random.default_rng(5)
+    h, hkv, d, bs, k, max_pos = 32, 8, 128, 16, 1024, 4096
+    n = (h + 2 * hkv) * d
+    w = dev(rand(rng, (n, k), scale=0.05))
+    cos, sin = (dev(a) for a in R.rope_tables(d, 5e5, (), max_pos))
+    cases = [(1, GemmTile(16, 64, 4, 6), 1), (5, GemmTile(16, 32, 4, 4), 2), (300, GemmTile(64, 128, 4, 3), 1),
+             (2048, GemmTile(128, 256, 8, 3, tma=True), 1), (2048, GemmTile(128, 256, 8, 3, tma=True), 2)]
+    for m, tile, split in cases:
+        nb = -(-m // bs) + 2
+        x = dev(rand(rng, (m, k)))
+        pos, slots = dev(rng.integers(0, max_pos, m).astype(np.int32)), rng.permutation(nb * bs)[:m].astype(np.int32)
+        slots[m // 2] = -1
+        slots = dev(slots)
+        cache = rand(rng, (nb, 2, bs, hkv, d)).astype(cache_dtype)
+        want_cache, got_cache = dev(cache), dev(cache)
+        red = GemmReduction(64, split)
+        nr = torch.tensor([m], dtype=torch.int32, device="cuda")
+        ws = torch.empty((split, m, n), dtype=torch.float32, device="cuda")
+        qkv = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        gemm(x, w, None, qkv, n_rows=nr, workspace=ws, tile=dataclasses.replace(tile, fold=split > 1), red=red)
+        want_q = torch.empty((m, h, d), dtype=torch.bfloat16, device="cuda")
+        attention_preamble(qkv[:, :h * d].view(m, h, d), qkv[:, h * d:(h + hkv) * d].view(m, hkv, d),
+                           qkv[:, (h + hkv) * d:].view(m, hkv, d), want_cache, pos, slots, cos, sin, None, None,
+                           want_q, n_rows=nr)
+        got_q = torch.empty((m, h, d), dtype=torch.bfloat16, device="cuda")
+        gemm_rope(x, w, None, got_q, got_cache, pos, slots, cos, sin, h=h, hkv=hkv, n_rows=nr, workspace=ws,
+                  tile=tile, red=red)
+        what = f"M={m}, {tile.block_m}x{tile.block_n}, split {split}"
+        assert same_bits(host(got_q), host(want_q)), f"{what}: rotated q differs"
+        assert same_bits(host(got_cache), host(want_cache)), f"{what}: cache differs"
+
+
 def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
     from kiln.codegen.triton.paged_attention_launch import paged_attention
 

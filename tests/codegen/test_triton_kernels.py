@@ -15,7 +15,7 @@ from kiln.codegen.triton.argmax import argmax
 from kiln.codegen.triton.attention_preamble import attention_preamble
 from kiln.codegen.triton.configs import DEFAULT, GemmReduction, GemmTile
 from kiln.codegen.triton.gather import embedding, gather_rows
-from kiln.codegen.triton.gemm import fold_through_memory, gemm, gemm_specs, needs_workspace
+from kiln.codegen.triton.gemm import fold_through_memory, gemm, gemm_rope, gemm_specs, needs_workspace
 from kiln.codegen.triton.launch import recording
 from kiln.codegen.triton.rms_norm import add_rms_norm, rms_norm
 from kiln.codegen.triton.silu_mul import silu_mul
@@ -342,6 +342,37 @@ def test_attention_preamble(rng, is_neox, rot, qk_norm, offset):
     untouched[slots[slots >= 0]] = False
     flat, ref_flat = cache.transpose(0, 2, 1, 3, 4).reshape(nb * bs, -1), ref_cache.transpose(0, 2, 1, 3, 4)
     assert same_bits(flat[untouched], ref_flat.reshape(nb * bs, -1)[untouched])  # incl. slot -1's row
+
+
+@pytest.mark.parametrize("tile,split,bias,cache_dtype", [
+    (GemmTile(16, 32, 4, 3), 1, False, BF16),   # half a head's pairs per program (BLOCK_N < D)
+    (GemmTile(16, 16, 2, 3), 2, True, FP8),     # a quarter of them; split-K folded; e4m3 cache
+    (GemmTile(32, 128, 4, 3), 1, True, BF16),   # two whole heads per program (BLOCK_N > D)
+])
+def test_gemm_rope_gives_gemm_then_preamble_bits(rng, tile, split, bias, cache_dtype):
+    """The q/k/v projection with RoPE and the cache write in its epilogue (gemm_rope_kernel)
+    writes the bytes a qkv GEMM followed by attention_preamble writes: rotated q, the cache's
+    k and v rows (slot -1 and rows past M untouched), whatever the tile."""
+    t, h, hkv, d, bs, nb, max_pos, k = 21, 4, 2, 64, 4, 12, 64, 128
+    n = (h + 2 * hkv) * d
+    x, w = rand(rng, (t, k)), rand(rng, (n, k))
+    b = rand(rng, (n,)) if bias else None
+    pos = rng.integers(0, max_pos, t).astype(np.int32)
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    slots[3] = -1
+    cache = rand(rng, (nb, 2, bs, hkv, d)).astype(cache_dtype)
+    want_cache = cache.copy()
+    cos, sin = R.rope_tables(d, 10000.0, (), max_pos)
+    red = GemmReduction(block_k=32, split_k=split)
+    qkv = gemm(x, w, b, np.empty((t, n), BF16), tile=replace(tile, fold=split > 1), red=red)
+    q = qkv[:, :h * d].reshape(t, h, d)
+    kk = qkv[:, h * d:(h + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (h + hkv) * d:].reshape(t, hkv, d)
+    want_q = attention_preamble(q, kk, v, want_cache, pos, slots, cos, sin)
+    q_out = gemm_rope(x, w, b, np.empty((t, h, d), BF16), cache, pos, slots, cos, sin, h=h, hkv=hkv, tile=tile,
+                      red=red)
+    assert same_bits(q_out, want_q)
+    assert same_bits(cache, want_cache)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -79,9 +79,10 @@ def test_tune_writes_attention_and_row_winners(tuned):
                           *ATTENTION_DECODE_KNOBS, *ATTENTION_SPLIT_KNOBS, *ATTENTION_ONE_KNOBS,
                           *ATTENTION_PREFILL_KNOBS}
     # every row op the plans launch: the SwiGLU epilogue (passes/fuse_gate_up_silu.py) leaves this
-    # Llama no silu_mul launch, so nothing of it to tune
-    assert "silu_mul" not in {n.op for n in _graph().nodes.values()}
-    assert {op for op in sched.entries if op != "paged_attention"} == set(ROW_OPS) - {"silu_mul"}
+    # Llama no silu_mul launch, and the q/k/v GEMM's preamble epilogue (passes/fuse_rope_into_linear.py)
+    # no attention_preamble launch, so nothing of them to tune
+    assert not {"silu_mul", "attention_preamble"} & {n.op for n in _graph().nodes.values()}
+    assert {op for op in sched.entries if op != "paged_attention"} == set(ROW_OPS) - {"silu_mul", "attention_preamble"}
     timed = [[v for k, v in e.items() if k.endswith("us")] for items in sched.entries.values() for e in items]
     assert all(t and min(t) > 0 for t in timed)  # (a bundle of 16 sequences has no decode bucket read whole: no "us")
 
