@@ -4,7 +4,7 @@ and one-prompt prefill speed.
 
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
         [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
-        [--fuse-silu auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N] [--json OUT]
+        [--fuse-silu auto|off] [--fuse-rope auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -83,11 +83,12 @@ def _lookup(a):
     return lookup
 
 
-def step_graph(cfg, fuse_silu: str = "auto"):
-    """The fused step graph; fuse_silu="off" leaves out passes/fuse_gate_up_silu.py (the MLP's
-    silu_mul a launch of its own after the gate/up GEMM, as before), for an in-process A/B."""
+def step_graph(cfg, fuse_silu: str = "auto", fuse_rope: str = "auto"):
+    """The fused step graph, for an in-process A/B: fuse_silu="off" leaves out
+    passes/fuse_gate_up_silu.py (the MLP's silu_mul a launch of its own after the gate/up GEMM),
+    fuse_rope="off" passes/fuse_rope_into_linear.py (the attention preamble one after q/k/v)."""
     return run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16),
-                        default_passes(fuse_silu=fuse_silu == "auto"))
+                        default_passes(fuse_silu=fuse_silu == "auto", fuse_rope=fuse_rope == "auto"))
 
 
 def largest_plan(bundle) -> dict:
@@ -141,6 +142,8 @@ def main() -> None:
     ap.add_argument("--gemm-fold", choices=("auto", "off"), default="auto",
                     help="split-K GEMMs add their splits inside the program (same bits): auto = Configs.gemm_fold's "
                     "rule (the tiles fill the GPU twice), off = never (partials + reduce, as before)")
+    ap.add_argument("--fuse-rope", choices=("auto", "off"), default="auto",
+                    help="off: the attention preamble as its own launch, not in the q/k/v GEMM's epilogue (A/B)")
     ap.add_argument("--fuse-silu", choices=("auto", "off"), default="auto",
                     help="the MLP's silu_mul in the gate/up GEMM's epilogue (same bits; interleaved gate/up "
                     "weight): auto = passes/fuse_gate_up_silu.py, off = a silu_mul launch after the GEMM, as before")
@@ -165,7 +168,7 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
     res: dict = {"shape": a.shape, "batch_invariant": not a.no_batch_invariance}
     t0 = time.perf_counter()
-    graph = step_graph(cfg, a.fuse_silu)
+    graph = step_graph(cfg, a.fuse_silu, a.fuse_rope)
     import dataclasses
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
@@ -178,7 +181,7 @@ def main() -> None:
     res["pdl_plain"] = a.pdl_plain
     res["gemm_tma"] = a.gemm_tma
     res["gemm_fold"] = a.gemm_fold
-    res["fuse_silu"] = a.fuse_silu
+    res["fuse_silu"], res["fuse_rope"] = a.fuse_silu, a.fuse_rope
     res["fuse_merge"] = a.fuse_merge
     res["silu_fused_layers"] = sum(n.op == "linear_silu_mul" for n in graph.nodes.values())
     res["compile_s"] = time.perf_counter() - t0

@@ -250,3 +250,15 @@ def test_gpu_shape_decode_fuse_silu_flag_picks_the_graph():
     for flag, fused in (("auto", 32), ("off", 0)):
         ops = [n.op for n in step_graph(cfg, flag).nodes.values()]
         assert ops.count("linear_silu_mul") == fused and ops.count("silu_mul") == 32 - fused
+
+
+def test_gpu_shape_decode_fuse_rope_flag_picks_the_graph():
+    """--fuse-rope: `auto` puts Llama-3.1-8B's attention preamble in the q/k/v GEMM's epilogue
+    (linear_rope, one per layer), `off` keeps the preamble a launch of its own."""
+    from kiln.bench.gpu_shape_decode import SHAPES, step_graph
+    from kiln.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(SHAPES["llama-3.1-8b"])
+    for flag, fused in (("auto", 32), ("off", 0)):
+        ops = [n.op for n in step_graph(cfg, fuse_rope=flag).nodes.values()]
+        assert ops.count("linear_rope") == fused and ops.count("attention_preamble") == 32 - fused
