@@ -262,3 +262,32 @@ def test_gpu_shape_decode_fuse_rope_flag_picks_the_graph():
     for flag, fused in (("auto", 32), ("off", 0)):
         ops = [n.op for n in step_graph(cfg, fuse_rope=flag).nodes.values()]
         assert ops.count("linear_rope") == fused and ops.count("attention_preamble") == 32 - fused
+
+
+def test_decode_timeline_reads_a_kernel_trace(tmp_path):
+    """bench/decode_timeline.py's account of a chrome trace: kernels in start order, cut into
+    steps of the plan's launches, each launch's duration, gap after the one before (negative:
+    started early, as under PDL) and exposed time (its end minus the one before's end)."""
+    from kiln.bench.decode_timeline import kernel_records, one_replay, summarise
+
+    # per step: a [0, 3), b [2, 7) (starts 1 us early), a [8, 9) (1 us idle before it); steps 20 us apart
+    events = [{"cat": "cpu_op", "name": "cudaGraphLaunch", "ts": 0, "dur": 50}]
+    for i in range(8):
+        t = 20.0 * i
+        events += [{"cat": "kernel", "name": n, "ts": t + s, "dur": d} for n, s, d in (("b", 2, 5), ("a", 0, 3),
+                                                                                      ("a", 8, 1))]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    ks = kernel_records(str(path))
+    assert [k[0] for k in ks[:3]] == ["a", "b", "a"] and len(ks) == 24
+    steps = one_replay(ks, 3, 8)
+    assert len(steps) == 4  # the middle half
+    res = summarise(steps, ["a[1]", "b[2]", "a[1]"])
+    assert res["step_us"] == 9.0
+    per = res["per_launch"]
+    assert [r["dur_us"] for r in per] == [3.0, 5.0, 1.0]
+    assert [r["start_gap_us"] for r in per] == [0.0, -1.0, 1.0]
+    assert [r["exposed_us"] for r in per] == [3.0, 4.0, 2.0]
+    assert res["by_kernel"]["a[1]"] == {"count": 2, "dur_us": 4.0, "exposed_us": 5.0, "start_gap_us": 1.0}
+    with pytest.raises(SystemExit):
+        one_replay(ks, 3, 9)
