@@ -4,7 +4,8 @@ and one-prompt prefill speed.
 
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
         [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
-        [--fuse-silu auto|off] [--fuse-rope auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N] [--json OUT]
+        [--fuse-silu auto|off] [--fuse-rope auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N]
+        [--attn-tile N --attn-seg N] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -73,6 +74,7 @@ def _lookup(a):
         found = sched.lookup(op, key) if sched else None
         knobs = (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps),
                  ("prefill_num_stages", a.attn_stages), ("prefill_maxnreg", a.attn_maxnreg))
+        knobs += (("tile", a.attn_tile), ("seg", a.attn_seg))
         if op == "paged_attention" and any(v for _, v in knobs):  # over the tuned entry's other knobs
             return {**(found or {}), **{k: v for k, v in knobs if v}}
         if op == "gemm_tile":  # A/Bs of the TMA loads (configs.with_tma) and of folded split-K (Configs.gemm_fold)
@@ -159,6 +161,8 @@ def main() -> None:
     ap.add_argument("--attn-warps", type=int, help="paged attention warps per program in prefill buckets")
     ap.add_argument("--attn-stages", type=int, help="paged attention pipeline stages in prefill buckets")
     ap.add_argument("--attn-maxnreg", type=int, help="paged attention register cap in prefill buckets")
+    ap.add_argument("--attn-tile", type=int, help="paged attention keys per tile (a reduction knob: bits change)")
+    ap.add_argument("--attn-seg", type=int, help="paged attention keys per split-KV segment (reduction knob)")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
                     "each at --profile-context tokens (KV left as allocated: timing only)")
@@ -183,6 +187,7 @@ def main() -> None:
     res["gemm_fold"] = a.gemm_fold
     res["fuse_silu"], res["fuse_rope"] = a.fuse_silu, a.fuse_rope
     res["fuse_merge"] = a.fuse_merge
+    res["attn_tile"], res["attn_seg"] = a.attn_tile, a.attn_seg
     res["silu_fused_layers"] = sum(n.op == "linear_silu_mul" for n in graph.nodes.values())
     res["compile_s"] = time.perf_counter() - t0
     res["kernels"] = len(bundle.kernels)
@@ -208,9 +213,12 @@ def main() -> None:
     print(f"load: {res['load_s']:.1f} s for {res['weights_gb']:.2f} GB of weights (incl. first prefill + capture)")
     pos, tok = a.context + 1, 1
     t0 = time.perf_counter()
+    toks = []
     for _ in range(a.steps):
         out = ex.execute(prepare_step([SeqChunk([tok], pos, blocks)], bs))["logits"]
         tok, pos = int(out[0].argmax()), pos + 1
+        toks.append(tok)
+    res["decode_tokens"] = toks  # the greedy ids: an A/B of kernels that keep the bits must keep them
     dt = (time.perf_counter() - t0) / a.steps
     res["decode_tok_s"] = 1 / dt
     res["roofline_tok_s_at_4.27TBps"] = 4.27e12 / (res["weights_gb"] * 1e9)
