@@ -74,7 +74,7 @@ def _lookup(a):
         found = sched.lookup(op, key) if sched else None
         knobs = (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps),
                  ("prefill_num_stages", a.attn_stages), ("prefill_maxnreg", a.attn_maxnreg))
-        knobs += (("tile", a.attn_tile), ("seg", a.attn_seg))
+        knobs += (("tile", getattr(a, "attn_tile", None)), ("seg", getattr(a, "attn_seg", None)))
         if op == "paged_attention" and any(v for _, v in knobs):  # over the tuned entry's other knobs
             return {**(found or {}), **{k: v for k, v in knobs if v}}
         if op == "gemm_tile":  # A/Bs of the TMA loads (configs.with_tma) and of folded split-K (Configs.gemm_fold)
