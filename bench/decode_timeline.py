@@ -3,8 +3,10 @@ as the GPU ran it (CUPTI kernel records through torch.profiler, which traces the
 kiln's cuda-python launches too: both use the device's primary context), summarised per kernel
 kind as its duration and the gap between the end of the kernel before it and its own end.
 
-    PYTHONPATH=$PWD python bench/decode_timeline.py [--context 512] [--replays 20] [--json OUT]
-        [any bench/gpu_shape_decode.py compile flag]
+    PYTHONPATH=$PWD python bench/decode_timeline.py [--context 512] [--replays 20] [--max-model-len 4096]
+        [--fuse-rope auto|off] [--fuse-silu auto|off] [--untuned] [--json OUT]
+
+The bundle is bench/gpu_shape_decode.py's (Llama-3.1-8B shape, max_num_seqs 8, the tuned schedules).
 
 torch is a bench-only dependency here (the GPU machine has it), never the runtime's. Timing
 only: the weights are random (gpu_shape_decode.random_weights).
@@ -17,7 +19,7 @@ import json
 
 import numpy as np
 
-from bench import gpu_shape_decode as gsd
+from kiln.bench import gpu_shape_decode as gsd
 
 
 def kernel_records(trace_path: str) -> list[tuple[str, float, float]]:
@@ -29,7 +31,7 @@ def kernel_records(trace_path: str) -> list[tuple[str, float, float]]:
     return sorted(ks, key=lambda k: k[1])
 
 
-def one_replay(ks: list, launches_per_step: int, replays: int) -> list[list]:
+def middle_steps(ks: list, launches_per_step: int, replays: int) -> list[list]:
     """The middle replays' kernels, as lists of launches_per_step records each."""
     n = len(ks) // launches_per_step
     if n < replays:
@@ -80,7 +82,7 @@ def main() -> None:
         ex.ctx.synchronize()
     prof.export_chrome_trace(a.trace)
     ks = kernel_records(a.trace)
-    steps = one_replay(ks, len(names), a.replays)
+    steps = middle_steps(ks, len(names), a.replays)
     res = summarise(steps, names)
     print(f"{len(ks)} kernels traced; step {res['step_us']:.1f} us from the first kernel's start to the last's end")
     print(f"  {'kernel':40s} {'n':>4s} {'dur us':>9s} {'exposed us':>11s} {'start gap us':>13s}")

@@ -268,7 +268,7 @@ def test_decode_timeline_reads_a_kernel_trace(tmp_path):
     """bench/decode_timeline.py's account of a chrome trace: kernels in start order, cut into
     steps of the plan's launches, each launch's duration, gap after the one before (negative:
     started early, as under PDL) and exposed time (its end minus the one before's end)."""
-    from kiln.bench.decode_timeline import kernel_records, one_replay, summarise
+    from kiln.bench.decode_timeline import kernel_records, middle_steps, summarise
 
     # per step: a [0, 3), b [2, 7) (starts 1 us early), a [8, 9) (1 us idle before it); steps 20 us apart
     events = [{"cat": "cpu_op", "name": "cudaGraphLaunch", "ts": 0, "dur": 50}]
@@ -280,7 +280,7 @@ def test_decode_timeline_reads_a_kernel_trace(tmp_path):
     path.write_text(json.dumps({"traceEvents": events}))
     ks = kernel_records(str(path))
     assert [k[0] for k in ks[:3]] == ["a", "b", "a"] and len(ks) == 24
-    steps = one_replay(ks, 3, 8)
+    steps = middle_steps(ks, 3, 8)
     assert len(steps) == 4  # the middle half
     res = summarise(steps, ["a[1]", "b[2]", "a[1]"])
     assert res["step_us"] == 9.0
@@ -290,4 +290,4 @@ def test_decode_timeline_reads_a_kernel_trace(tmp_path):
     assert [r["exposed_us"] for r in per] == [3.0, 4.0, 2.0]
     assert res["by_kernel"]["a[1]"] == {"count": 2, "dur_us": 4.0, "exposed_us": 5.0, "start_gap_us": 1.0}
     with pytest.raises(SystemExit):
-        one_replay(ks, 3, 9)
+        middle_steps(ks, 3, 9)
