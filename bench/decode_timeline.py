@@ -3,10 +3,10 @@ as the GPU ran it (CUPTI kernel records through torch.profiler, which traces the
 kiln's cuda-python launches too: both use the device's primary context), summarised per kernel
 kind as its duration and the gap between the end of the kernel before it and its own end.
 
-    PYTHONPATH=$PWD python bench/decode_timeline.py [--context 512] [--replays 20] [--max-model-len 4096]
-        [--fuse-rope auto|off] [--fuse-silu auto|off] [--untuned] [--json OUT]
+    PYTHONPATH=$PWD python bench/decode_timeline.py [--replays 20] [any bench/gpu_shape_decode.py flag]
 
-The bundle is bench/gpu_shape_decode.py's (Llama-3.1-8B shape, max_num_seqs 8, the tuned schedules).
+The bundle is bench/gpu_shape_decode.py's, compiled from the same flags (default: Llama-3.1-8B
+shape, max_num_seqs 8, the tuned schedules).
 
 torch is a bench-only dependency here (the GPU machine has it), never the runtime's. Timing
 only: the weights are random (gpu_shape_decode.random_weights).
@@ -101,37 +101,11 @@ def _json_flag(rest: list[str]) -> str | None:
 
 
 def build(rest: list[str]):
-    """The batch-1 bundle as gpu_shape_decode builds it, loaded, with a decode step captured."""
-    import dataclasses
-
-    from kiln.codegen.compile import compile_bundle
-    from kiln.models.config import ModelConfig
-    from kiln.runtime.cuda_executor import CudaExecutor
-    from kiln.runtime.input_batch import SeqChunk, prepare_step
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--fuse-rope", default="auto")
-    ap.add_argument("--fuse-silu", default="auto")
-    ap.add_argument("--json")
-    ap.add_argument("--untuned", action="store_true")
-    a, _ = ap.parse_known_args(rest)
-    for k in ("attn_block_q", "attn_warps", "attn_stages", "attn_maxnreg", "attn_tile", "attn_seg"):
-        setattr(a, k, None)
-    a.gemm_tma, a.gemm_fold = "auto", "auto"
-    cfg = ModelConfig.from_hf_dict(gsd.SHAPES["llama-3.1-8b"])
-    graph = gsd.step_graph(cfg, a.fuse_silu, a.fuse_rope)
-    bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
-                            config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=8,
-                            max_num_batched_tokens=2048, block_size=16, configs=gsd.Configs(lookup=gsd._lookup(a)))
-    shapes = graph.checkpoint_weights()
-    load = gsd.random_weights()
-    ex = CudaExecutor(bundle, lambda n: load(n, shapes[n]), num_blocks=(a.max_model_len // 16) * 4)
-    blocks = list(range(1, a.max_model_len // 16 + 1))
-    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, size=a.context).tolist()
-    ex.execute(prepare_step([SeqChunk(prompt, 0, blocks)], 16))
-    ex.execute(prepare_step([SeqChunk([1], a.context, blocks)], 16))  # captures the decode graph
+    """The batch-1 bundle as gpu_shape_decode builds it from the same flags, loaded, with a decode
+    step captured -> (executor, the plan's kernel names with their grids)."""
+    a, _ = gsd.parser().parse_known_args(rest)
+    cfg, graph, bundle = gsd.compile_for(a, {})
+    ex, _ = gsd.load_for(a, {}, cfg, graph, bundle, np.random.default_rng(1))
     plan = ex._pick(1, 1, 1)
     names = [f"{k.name}{list(g)}" for k, g, *_ in plan["launches"]]
     return ex, names

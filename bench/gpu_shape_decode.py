@@ -5,7 +5,7 @@ and one-prompt prefill speed.
     python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
         [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
         [--fuse-silu auto|off] [--fuse-rope auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N]
-        [--attn-tile N --attn-seg N] [--json OUT]
+        [--attn-tile N --attn-seg N] [--sched OP:KEY=JSON ...] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
 model. Decode timing = wall time per engine step as the executor sees it (step inputs
@@ -30,6 +30,9 @@ from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.runtime.input_batch import SeqChunk, prepare_step
 from kiln.schedules import Schedules
 
+
+
+BS = 16  # KV block size of the bundles compiled here
 
 
 def random_weights(seed: int = 0):
@@ -67,10 +70,29 @@ def gpu_only_prefill_ms(ex, tokens: int, reps: int = 5) -> float:
     return _events_ms(ex, lambda: ex._launch_all(p), reps)
 
 
+def _overrides(entries) -> list[tuple[str, tuple, dict]]:
+    """--sched OP:K1,K2,...=JSON -> [(op, key prefix, fields)]: e.g.
+    'gemm_reduction:4096,4096={"split_k": 2}' or 'gemm_tile:1,4096,4096={"block_n": 16}'."""
+    out = []
+    for e in entries or ():
+        head, _, body = e.partition("=")
+        op, _, key = head.partition(":")
+        out.append((op, tuple(int(v) for v in key.split(",") if v), json.loads(body)))
+    return out
+
+
 def _lookup(a):
     sched = None if a.untuned else Schedules.read("sm_90")
+    overrides = _overrides(getattr(a, "sched", None))
 
     def lookup(op, key):
+        found = _schedule(op, key)
+        for o, prefix, fields in overrides:
+            if o == op and tuple(key[:len(prefix)]) == prefix:
+                found = {**(found or {}), **fields}
+        return found
+
+    def _schedule(op, key):
         found = sched.lookup(op, key) if sched else None
         knobs = (("prefill_block_q", a.attn_block_q), ("prefill_num_warps", a.attn_warps),
                  ("prefill_num_stages", a.attn_stages), ("prefill_maxnreg", a.attn_maxnreg))
@@ -125,7 +147,8 @@ def profile(ex, step, what: str = "decode") -> dict:
             "launches": per}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The flags (bench/decode_timeline.py takes them too)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--context", type=int, default=512)
@@ -163,20 +186,28 @@ def main() -> None:
     ap.add_argument("--attn-maxnreg", type=int, help="paged attention register cap in prefill buckets")
     ap.add_argument("--attn-tile", type=int, help="paged attention keys per tile (a reduction knob: bits change)")
     ap.add_argument("--attn-seg", type=int, help="paged attention keys per split-KV segment (reduction knob)")
+    ap.add_argument("--sched", nargs="+", metavar="OP:KEY=JSON",
+                    help="schedule fields over the tuned entries whose key starts with KEY, e.g. "
+                    "'gemm_reduction:4096,4096={\"split_k\": 2}' (an A/B of one knob without re-tuning)")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--profile-batch", type=int, help="also profile a decode step of this many sequences, "
                     "each at --profile-context tokens (KV left as allocated: timing only)")
     ap.add_argument("--profile-context", type=int, default=1500)
     ap.add_argument("--json")
-    a = ap.parse_args()
+    return ap
+
+
+def compile_for(a, res: dict):
+    """The flags' bundle, compiled in-process -> (model config, fused graph, bundle); what it
+    compiled goes into res."""
+    import dataclasses
+
     cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
-    res: dict = {"shape": a.shape, "batch_invariant": not a.no_batch_invariance}
     t0 = time.perf_counter()
     graph = step_graph(cfg, a.fuse_silu, a.fuse_rope)
-    import dataclasses
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
                             config_hash=cfg.compute_hash(), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                            max_num_batched_tokens=max(2048, a.prefill), block_size=16,
+                            max_num_batched_tokens=max(2048, a.prefill), block_size=BS,
                             batch_invariant=not a.no_batch_invariance,
                             configs=Configs(lookup=_lookup(a)), pdl=None if a.pdl == "auto" else False,
                             fuse_merge=a.fuse_merge == "auto", pdl_plain=a.pdl_plain)
@@ -193,8 +224,12 @@ def main() -> None:
     res["kernels"] = len(bundle.kernels)
     print(f"compile: {res['compile_s']:.1f} s, {len(bundle.kernels)} kernels, {len(bundle.manifest['plans'])} buckets")
     res["largest_plan"] = largest_plan(bundle)
-    if a.compile_only:
-        return _dump(a, res)
+    return cfg, graph, bundle
+
+
+def load_for(a, res: dict, cfg, graph, bundle, rng):
+    """The bundle on the GPU with random weights, a --context prompt prefilled and the batch-1
+    decode graph captured -> (executor, the sequence's blocks)."""
     from kiln.runtime.cuda_executor import CudaExecutor
 
     shapes = graph.checkpoint_weights()  # the fused graph stacks some of them (q/k/v, gate/up)
@@ -203,14 +238,24 @@ def main() -> None:
     nb = (a.max_model_len // 16) * 4 + (a.profile_batch or 0) * (a.profile_context // 16 + 1)
     ex = CudaExecutor(bundle, lambda n: load(n, shapes[n]), num_blocks=nb)
     res["weights_gb"] = sum(int(np.prod(s)) * 2 for s in shapes.values()) / 1e9
-    bs = 16
-    blocks = list(range(1, a.max_model_len // bs + 1))
-    rng = np.random.default_rng(1)
+    blocks = list(range(1, a.max_model_len // BS + 1))
     prompt = rng.integers(0, cfg.vocab_size, size=a.context).tolist()
-    ex.execute(prepare_step([SeqChunk(prompt, 0, blocks)], bs))
-    ex.execute(prepare_step([SeqChunk([1], a.context, blocks)], bs))  # captures the decode graph
+    ex.execute(prepare_step([SeqChunk(prompt, 0, blocks)], BS))
+    ex.execute(prepare_step([SeqChunk([1], a.context, blocks)], BS))  # captures the decode graph
     res["load_s"] = time.perf_counter() - t0
     print(f"load: {res['load_s']:.1f} s for {res['weights_gb']:.2f} GB of weights (incl. first prefill + capture)")
+    return ex, blocks
+
+
+def main() -> None:
+    a = parser().parse_args()
+    res: dict = {"shape": a.shape, "batch_invariant": not a.no_batch_invariance}
+    cfg, graph, bundle = compile_for(a, res)
+    if a.compile_only:
+        return _dump(a, res)
+    rng = np.random.default_rng(1)
+    ex, blocks = load_for(a, res, cfg, graph, bundle, rng)
+    bs = BS
     pos, tok = a.context + 1, 1
     t0 = time.perf_counter()
     toks = []
