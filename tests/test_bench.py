@@ -193,8 +193,8 @@ def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
     """bench/gpu_shape_decode.py --gemm-fold compiles the model in-process with a Configs whose
     gemm_tile lookup carries the flag: `off` keeps every split-K GEMM's partials, `auto` folds
     those of the Llama-3.1-8B prefill where the tuned schedule or Configs.gemm_fold's rule says so
-    (down's split-K 2 on 128x128 tiles at 2,048 tokens by the rule; its tuned 128x256 tile by the
-    schedule, through memory), never a decode step's. The TMA flag still reaches the same tiles."""
+    (o_proj's tuned split-K 2 on 128x128 tiles at 2,048 tokens by the rule; down's tuned 128x256
+    tile by the schedule, through memory), never a decode step's. The TMA flag still reaches the same tiles."""
     from argparse import Namespace
 
     from kiln.bench.gpu_shape_decode import _lookup
@@ -212,7 +212,8 @@ def test_gpu_shape_decode_gemm_fold_flag_reaches_the_configs(fold):
         assert prefill.fold is (False if fold == "off" else tuned.gemm_tile(2048, n, k).fold)
         as_tuned = tuned.gemm_fold(2048, n, k, tuned.gemm_tile(2048, n, k), red)  # the bundle's own choice
         assert configs.gemm_fold(2048, n, k, prefill, red) is (fold == "auto" and as_tuned)
-        assert as_tuned is ((n, k) == (4096, 14336))  # down's tuned prefill tile folds (through memory)
+        # down's tuned prefill tile folds (through memory); o_proj's split-K 2 on 128x128 tiles by the rule
+        assert as_tuned is ((n, k) in ((4096, 14336), (4096, 4096)))
         assert not configs.gemm_fold(1, n, k, decode, red)
         assert prefill.tma is False
     n, k = 4096, 14336  # a tile the rule folds: down's split-K 2 on 128x128 tiles, which fill the GPU twice
@@ -291,3 +292,34 @@ def test_decode_timeline_reads_a_kernel_trace(tmp_path):
     assert res["by_kernel"]["a[1]"] == {"count": 2, "dur_us": 4.0, "exposed_us": 5.0, "start_gap_us": 1.0}
     with pytest.raises(SystemExit):
         middle_steps(ks, 3, 9)
+
+
+def test_engine_timeline_names_what_runs_between_graphs(tmp_path):
+    """bench/engine_timeline.py's account of an engine's trace: graph replays found as runs of
+    the plan's kernels in order (a lone plan kernel outside a run is not one), and per middle
+    step the graph's span, the period, and each copy/kernel between two graphs with the idle
+    time before it."""
+    from kiln.bench.engine_timeline import between, gpu_records, split_graphs
+
+    # per step (100 us apart): graph kernels a [0, 10), b [10, 40); then a copy [42, 44), a
+    # sampler kernel [45, 48) and an upload [50, 51); a stray "a" (not followed by b) at 60
+    events = [{"cat": "cpu_op", "name": "cudaGraphLaunch", "ts": 0, "dur": 5}]
+    for i in range(8):
+        t = 100.0 * i
+        events += [{"cat": c, "name": n, "ts": t + s, "dur": d} for c, n, s, d in (
+            ("kernel", "a", 0, 10), ("kernel", "b", 10, 30), ("gpu_memcpy", "Memcpy DtoH", 42, 2),
+            ("kernel", "sample", 45, 3), ("gpu_memcpy", "Memcpy HtoD", 50, 1), ("kernel", "a", 60, 1))]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rs = gpu_records(str(path))
+    assert len(rs) == 48 and rs[0][1] == "a"
+    spans, rs = split_graphs(rs, ["a", "b"])
+    assert len(spans) == 8 and all(rs[i][1] == "a" and rs[j][1] == "b" for i, j in spans)
+    res = between(rs, spans)
+    assert res["steps"] == 3  # the middle half: 4 graphs, 3 periods
+    assert (res["graph_us"], res["period_us"], res["between_us"]) == (40.0, 100.0, 60.0)
+    items = list(res["items"].items())
+    assert [k for k, _ in items] == ["00 gpu_memcpy:Memcpy DtoH", "01 kernel:sample", "02 gpu_memcpy:Memcpy HtoD",
+                                     "03 kernel:a", "zz idle before the next graph"]
+    assert [(v["dur_us"], v["idle_before_us"]) for _, v in items] == [(2.0, 2.0), (3.0, 1.0), (1.0, 2.0),
+                                                                      (1.0, 9.0), (0.0, 39.0)]
