@@ -393,12 +393,17 @@ class _GemmRig:
         ws = Buf(ptr=self.ws, shape=(red.split_k, m, p.n), dtype=np.float32) if red.split_k > 1 else None
         nbytes = int(np.prod(y.shape)) * self.out_dtype.itemsize
         res = None
-        if p.residual and k_gemm.residual_in_epilogue(m, red.split_k, DEFAULT.gemm_fold(m, p.n, p.k, tile, red,
-                                                                                          self.bench.arch)):
+        fold = DEFAULT.gemm_fold(m, p.n, p.k, tile, red, self.bench.arch)
+        if p.residual and k_gemm.residual_in_epilogue(m, red.split_k, fold):
             res = Buf(ptr=self.res.ptr, shape=(m, p.n), dtype=self.out_dtype)
         # the last list's output (the same weight copy for every candidate): the bits check's
         output = lambda: self.bench.read(self.y, nbytes)
-        if p.residual and res is None:
+        reduce = not by_norm(p, m, red, fold)
+        if not reduce:
+            # The bundle leaves these partials to add_rms_norm (codegen/lower.py op_linear_add), so
+            # no reduce launch is timed; the partials are what the bits check compares.
+            output = lambda: self.bench.read(self.ws, red.split_k * m * p.n * 4)
+        elif p.residual and res is None:
             # Compared as h = y + residual, the value either way reaches the norm with: a tile that
             # folds adds it in its epilogue, one that does not leaves it to add_rms_norm (same
             # rounding: y rounded, the sum in f32, rounded again). Compared as y, every folding
@@ -406,8 +411,20 @@ class _GemmRig:
             output = lambda: _plus_residual(self.bench.read(self.y, nbytes), self.bench.read(self.res.ptr, nbytes),
                                             self.out_dtype)
         return Timed([record(k_gemm.gemm, x, self.w[r % self.copies], self.bias, y, n_rows=self.n_rows[m],
-                             workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g, residual=res)
+                             workspace=ws, tile=tile, red=red, arch=self.bench.arch, silu_group=g, residual=res,
+                             reduce=reduce)
                       for r in range(REPS)], output=output)
+
+
+def by_norm(p: GemmProblem, m: int, red: GemmReduction, fold: bool) -> bool:
+    """Whether the tuner times this GEMM without its split-K reduce launch: a linear_add
+    (o_proj, down) whose partials the next add_rms_norm sums in the bundle (split-K, not folded:
+    codegen/lower.py op_linear_add), at up to 16 rows. There the partials cost the norm a read of
+    S x 16 x N f32, nothing against its latency, while the reduce launch the rig would otherwise
+    time is a kernel the bundle never runs (it kept o_proj at one split where two are 30 us a
+    decode step faster in the graph; docs/BENCHMARKS.md). Above 16 rows the partials' round trip
+    through the norm costs bytes, and the reduce launch stands in for it."""
+    return p.residual and red.split_k > 1 and not fold and m <= 16
 
 
 def _plus_residual(y: bytes, res: bytes, dtype: np.dtype) -> bytes:

@@ -251,6 +251,34 @@ def test_the_gemm_rig_times_the_kernels_a_bundle_runs():
         assert not spec.constexprs.get("HAS_RES") and cache_key(twin, "sm_90") in rig_keys, spec
 
 
+def test_the_gemm_rig_leaves_split_k_partials_to_the_norm_at_decode_rows():
+    """A split-K linear_add (o_proj, down) whose partials add_rms_norm sums: at up to 16 rows the
+    rig times the GEMM kernel the bundle launches and no reduce launch (the bundle has none);
+    above, the reduce launch stands in for the partials' bytes through the norm. A plain linear's
+    reduce is timed at every M."""
+    _, graph = tiny_graph(fuse_silu=True, fuse_rope=True, hidden_size=256, intermediate_size=512)
+    buckets = make_buckets(4, 64)
+    problems = gemm_problems(graph, buckets)
+    res = [p for p in problems if p.residual]
+    assert res
+    split = {(p.n, p.k) for p in res}
+    red = GemmReduction(block_k=32, split_k=2)  # o_proj's K is 64 here
+    configs = Configs(lookup=lambda op, key: dataclasses.asdict(red) if op == "gemm_reduction" and key in split
+                      else None)
+    decode = next(b for b in buckets if b.decode and b.tokens == 1)
+    bundle = {cache_key(s, "sm_90"): s for s, _ in lowered(graph, decode, buckets, 128, configs)}
+    bench = FakeBench(lambda t: 1.0)
+    for p in res:
+        r = _GemmRig(bench, p)
+        at = {m: specs_of(r.timed(m, configs.gemm_tile(m, p.n, p.k), red)) for m in (1, 64)}
+        assert [s.kernel for s in at[1]] == ["gemm_kernel"]
+        assert cache_key(at[1][0], "sm_90") in bundle  # the kernel the decode plan launches
+        assert [s.kernel for s in at[64]] == ["gemm_kernel", "gemm_reduce_kernel"]
+        plain = _GemmRig(bench, dataclasses.replace(p, residual=False))
+        assert [s.kernel for s in specs_of(plain.timed(1, configs.gemm_tile(1, p.n, p.k), red))] == \
+            ["gemm_kernel", "gemm_reduce_kernel"]
+
+
 # -- paged attention ----------------------------------------------------------------------
 SHAPES = [(32, 8, 128), (4, 2, 16), (64, 8, 128), (16, 16, 64)]
 
@@ -614,9 +642,9 @@ def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkey
     assert not (tmp_path / "schedules").exists()
     # no silu_mul (the gate/up GEMM's epilogue), no attention_preamble (Llama's is the q/k/v GEMM's
     # epilogue, timed as its plain GEMM) and no attention_merge (split decode merges in the
-    # attention kernel; prefill does not split)
-    assert asked == {"gemm_kernel", "gemm_reduce_kernel", "paged_attention_kernel", "rms_norm_kernel",
-                     "gather_rows_kernel"}
+    # attention kernel; prefill does not split), and no gemm_reduce_kernel: the one weight whose
+    # K splits is down, timed split at its decode rows only, where add_rms_norm sums the partials
+    assert asked == {"gemm_kernel", "paged_attention_kernel", "rms_norm_kernel", "gather_rows_kernel"}
     assert "nothing timed, nothing written" in capsys.readouterr().err
 
 
