@@ -139,6 +139,37 @@ def test_one_step_equals_the_numpy_sampler():
     assert alone.sampled_token_ids[0] == ids[1]
 
 
+def test_a_steady_batch_uploads_its_sampling_inputs_once_per_slot():
+    """A decode batch that stages the same rows and knobs step after step (greedy: its rows' keys
+    are staged as 0) copies them to each in-flight slot's device buffer once; a step that stages
+    other bytes copies again, and every step samples what the numpy Sampler does."""
+    V, rng = 61, np.random.default_rng(7)
+    dev = HostDevice()
+    uploads = []
+    real_upload = dev.upload
+    dev.upload = lambda ptr, host, sync=True: (uploads.append(ptr), real_upload(ptr, host, sync))
+    ptr = dev.malloc(4 * 4 * V)
+    sampler = host_sampler(dev, V, ptr)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
+
+    def step(rows, params):
+        logits = (rng.standard_normal((4, V)) * 3).astype(np.float32)
+        real_upload(ptr, logits)
+        md = SamplingMetadata.from_requests(params, [[1, 2]] * len(params), [[3]] * len(params), V,
+                                            generators=[None] * len(params))
+        before = len(uploads)
+        out, _ = sampler.sample(rows, md, [None] * len(params))
+        want = Sampler.apply_logits_processors(logits[rows], md).argmax(axis=1)
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        assert [out.sampled_token_ids[i] for i in greedy] == [want[i] for i in greedy]
+        return len(uploads) - before
+
+    assert [step([0, 2], params) for _ in range(5)] == [1, 1, 0, 0, 0]  # one per slot, then none
+    assert step([1, 3], params) == 1  # other rows: staged again
+    hot = [SamplingParams(temperature=0), SamplingParams(temperature=0.8)]
+    assert [step([1, 3], hot) for _ in range(3)] == [1, 1, 1]  # an unseeded row's key is drawn per step
+
+
 def test_llm_tokens_and_logprobs_equal_the_cpu_path(tmp_path):
     """The model runner's device path (execute_and_sample) on a tiny CPU model: the same
     greedy tokens, logprobs and prompt logprobs as its numpy path."""
