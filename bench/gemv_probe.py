@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 
 import torch
 import triton
 import triton.language as tl
 
+from kiln.bench.device import torch_graph_us
 from kiln.codegen.triton.configs import Configs, GemmTile
 from kiln.codegen.triton.gemm import gemm
 from kiln.schedules import Schedules
@@ -51,26 +53,10 @@ def tile_read(w, out, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
 
 
 def graph_us(calls, reps: int = 40) -> float:
-    """calls: functions issued in turn (each on its own weight copy); best of 5 replays of a graph
-    of `reps` calls -> us per call."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps)
-    return best
+    """calls: functions issued in turn (each on its own weight copy), timed by bench/device.py's
+    torch_graph_us (best of 5 replays of a graph of `reps` calls) -> us per call."""
+    turn = itertools.count()
+    return torch_graph_us(lambda: calls[next(turn) % len(calls)](), reps)
 
 
 def probe(name: str, sched, out: list) -> None:

@@ -235,7 +235,7 @@ def load_for(a, res: dict, cfg, graph, bundle, rng):
     shapes = graph.checkpoint_weights()  # the fused graph stacks some of them (q/k/v, gate/up)
     load = random_weights()
     t0 = time.perf_counter()
-    nb = (a.max_model_len // 16) * 4 + (a.profile_batch or 0) * (a.profile_context // 16 + 1)
+    nb = (a.max_model_len // BS) * 4 + (a.profile_batch or 0) * (a.profile_context // BS + 1)
     ex = CudaExecutor(bundle, lambda n: load(n, shapes[n]), num_blocks=nb)
     res["weights_gb"] = sum(int(np.prod(s)) * 2 for s in shapes.values()) / 1e9
     blocks = list(range(1, a.max_model_len // BS + 1))
