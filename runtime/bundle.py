@@ -25,9 +25,11 @@ import yaml
 
 from kiln.errors import KilnError
 
-FORMAT_VERSION = 3  # 2: a stacked weight's entry may end with its interleave (graph/layout.py), which a
+FORMAT_VERSION = 4  # 2: a stacked weight's entry may end with its interleave (graph/layout.py), which a
 # format-1 reader would ignore and upload the parts plainly stacked. 3: the sampler's sample
-# kernel runs in phases over a row split between programs (runtime/sample_phases.py)
+# kernel runs in phases over a row split between programs (runtime/sample_phases.py). 4: the
+# step inputs go in through the sampler's stage kernel (runtime/input_stager.py), not a copy
+# to the inputs region; its feed kernel is gone
 # A plan's pointer arguments are (region index << REGION_SHIFT) + byte offset; the runtime
 # relocates them by region base address at load (codegen/lower.py writes them).
 REGION_SHIFT = 44

@@ -73,6 +73,7 @@ class CudaContext:
         self.context = _check(drv.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         _check(drv.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
+        self._side: dict[str, Any] = {}
         self._modules: list = []
         self._allocs: list[int] = []
         self._host_allocs: list[int] = []
@@ -108,11 +109,23 @@ class CudaContext:
         self._host_allocs.append(ptr)
         return np.frombuffer((ctypes.c_uint8 * max(int(nbytes), 1)).from_address(ptr), dtype=np.uint8)
 
-    def upload(self, ptr: int, host: np.ndarray, *, sync: bool = True) -> None:
+    def side_stream(self, name: str):
+        """A second stream, one per name, made on first use (non-blocking: it never waits on the
+        legacy default stream). The step's copies go there so that they run while the main
+        stream's kernels do, ordered against them by events (record, wait), not by their place
+        in one queue: each copy on the main stream cost the batch-1 decode step ~5-8 us between
+        two graphs (bench/engine_timeline.py on the H200)."""
+        if name not in self._side:
+            self._side[name] = _check(self.drv.cuStreamCreate(1), "cuStreamCreate")  # 1: CU_STREAM_NON_BLOCKING
+        return self._side[name]
+
+    def upload(self, ptr: int, host: np.ndarray, *, sync: bool = True, stream=None) -> None:
+        """host -> ptr on `stream` (the main one by default); sync: wait for it (on that stream)."""
         host = np.ascontiguousarray(host)
-        _check(self.drv.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
+        stream = self.stream if stream is None else stream
+        _check(self.drv.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync")
         if sync:
-            self.synchronize()
+            _check(self.drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def upload_2d(self, ptr: int, host: np.ndarray, *, width: int, height: int, dst_pitch: int) -> None:
         """host (contiguous: `height` runs of `width` bytes) to `height` runs at ptr, ptr +
@@ -147,11 +160,12 @@ class CudaContext:
         self.synchronize()
         return out
 
-    def download_async(self, ptr: int, out: np.ndarray) -> np.ndarray:
-        """Queue a copy into `out` (pinned, or the copy is synchronous) on the stream; read it
-        after an event recorded behind it has completed (event_sync)."""
+    def download_async(self, ptr: int, out: np.ndarray, *, stream=None) -> np.ndarray:
+        """Queue a copy into `out` (pinned, or the copy is synchronous) on `stream` (the main one
+        by default); read it after an event recorded behind it has completed (event_sync)."""
         assert out.flags["C_CONTIGUOUS"]
-        _check(self.drv.cuMemcpyDtoHAsync(out.ctypes.data, ptr, out.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        _check(self.drv.cuMemcpyDtoHAsync(out.ctypes.data, ptr, out.nbytes, self.stream if stream is None else stream),
+               "cuMemcpyDtoHAsync")
         return out
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
@@ -203,8 +217,14 @@ class CudaContext:
     def event(self):
         return _check(self.drv.cuEventCreate(0), "cuEventCreate")
 
-    def record(self, event) -> None:
-        _check(self.drv.cuEventRecord(event, self.stream), "cuEventRecord")
+    def record(self, event, *, stream=None) -> None:
+        """Mark the point `stream` (the main one by default) has reached, for event_sync or wait."""
+        _check(self.drv.cuEventRecord(event, self.stream if stream is None else stream), "cuEventRecord")
+
+    def wait(self, event, *, stream=None) -> None:
+        """Make `stream` (the main one by default) run what is queued on it next only after the
+        work before `event`'s last record, on whichever stream that was, has run. The host goes on."""
+        _check(self.drv.cuStreamWaitEvent(self.stream if stream is None else stream, event, 0), "cuStreamWaitEvent")
 
     def marker(self):
         """An event for ordering only (no timing: cheaper to record and to wait on)."""
@@ -230,6 +250,10 @@ class CudaContext:
         _check(self.drv.cuGraphLaunch(graph_exec, self.stream), "cuGraphLaunch")
 
     def close(self) -> None:
+        for stream in self._side.values():
+            self.drv.cuStreamSynchronize(stream)
+            self.drv.cuStreamDestroy(stream)
+        self._side.clear()
         for ptr in list(self._allocs):
             self.free(ptr)
         for m in self._modules:

@@ -5,9 +5,10 @@ constant tables, the activation arena, the step-input block and workspaces
 allocated once and zeroed; the KV cache sized from free memory; every kernel's cubin
 loaded; every bucket's launches resolved into ready (values, types) tuples by
 relocating the plan's symbolic pointers (region << 44 | offset) to real ones.
-Per step: pad to the smallest bucket that holds it, one host->device copy of
-the step inputs, the bucket's launches (decode buckets replay a CUDA graph
-captured on first use), one device->host copy of the sampled rows' logits.
+Per step: pad to the smallest bucket that holds it, the step inputs staged and
+copied in off the main stream (runtime/input_stager.py), the bucket's launches
+(decode buckets replay a CUDA graph captured on first use), then the GpuSampler on
+the logits rows, or one device->host copy of the sampled rows' logits.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kiln.graph import DType, to_numpy
 from kiln.graph.layout import part_copies
 from kiln.runtime.bundle import Bundle, BundleError
 from kiln.runtime.cuda_driver import CudaContext
+from kiln.runtime.input_stager import InputStager
 
 _CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "fp32": ctypes.c_float, "u8": ctypes.c_uint8,
            "i1": ctypes.c_bool}
@@ -64,16 +66,16 @@ class CudaExecutor:
         ptr_of = [bases[r] if r in bases else None for r in m["regions"]]
         self.plans = {name: self._resolve(p, ptr_of) for name, p in m["plans"].items()}
         self.buckets = sorted(self.plans.values(), key=lambda p: (p["tokens"], p["seqs"], not p["decode"]))
-        # pinned staging: one async copy in per step, one copy of the sampled rows' logits out
-        # two pinned staging buffers for the step inputs, used in turn, each with a marker
-        # recorded behind its upload: a step can be staged while the one before is still queued
-        self._host_inputs = [self.ctx.host_alloc(m["region_bytes"]["inputs"]) for _ in range(2)]
-        self._staged = [self.ctx.marker() for _ in range(2)]
-        for e in self._staged:
-            self.ctx.record(e)
-        self._turn = 0
+        # the step inputs: two pinned staging buffers used in turn, so that a step can be staged
+        # while the one before is still queued; copied in on a side stream, put in place (and
+        # fed the ids the step before sampled) by the stage kernel
+        if "stage" not in m.get("sampler", {}):
+            raise BundleError("this bundle has no stage kernel for the step inputs: recompile it")
+        role = m["sampler"]["stage"]
+        self.stager = InputStager(self.ctx, self.kernels[role["kernel"]], role, m["kernels"][role["kernel"]]["signature"],
+                                  bases["inputs"], m["region_bytes"]["inputs"],
+                                  max(p["tokens"] for p in self.plans.values()))
         self._views: dict[tuple[int, str], dict[str, np.ndarray]] = {}  # (buffer, bucket) -> input views
-        self.host_inputs = self._host_inputs[0]
         self.logits_offset, self.vocab = m["logits"]["offset"], m["logits"]["vocab"]
         max_rows = max(p["logits"] for p in self.plans.values())
         self.host_logits = self.ctx.host_alloc(max_rows * self.vocab * 4).view(np.float32).reshape(max_rows, -1)
@@ -147,7 +149,7 @@ class CudaExecutor:
             types += hidden_types
             g = tuple(grid) + (1,) * (3 - len(grid))
             # PDL kernels overlap their predecessor's tail (codegen/triton/pdl.py); a plan's
-            # first launch follows the step's input copy, not a kernel, and goes out plainly
+            # first launch reads the inputs the stage kernel writes, and goes out plainly
             cfg = self.ctx.pdl_config(kernel, g) if kernel.pdl and launches else None
             launches.append((kernel, g, (tuple(vals), tuple(types)), cfg))
         return {"tokens": t, "seqs": s, "logits": l_, "decode": decode, "inputs": plan["inputs"],
@@ -163,14 +165,13 @@ class CudaExecutor:
                          f"(largest: {self.buckets[-1]['tokens']} tokens)")
 
     def _stage(self, p: dict, inputs: Mapping[str, np.ndarray]) -> int:
-        """Write the step's inputs into the next pinned staging buffer (self.host_inputs),
-        once the upload that last read it has run. -> bytes to upload."""
-        self.ctx.event_sync(self._staged[self._turn])
-        buf = self.host_inputs = self._host_inputs[self._turn]
+        """Write the step's inputs into the stager's next pinned buffer, once the copy that last
+        read it has run. -> bytes to copy in."""
+        buf, turn = self.stager.buffer(), self.stager.turn
         s_live = len(inputs["seq_lens"])
-        views = self._views.get((self._turn, p["name"]))
+        views = self._views.get((turn, p["name"]))
         if views is None:  # the bucket's input arrays in this staging buffer, made once
-            views = self._views[(self._turn, p["name"])] = {
+            views = self._views[(turn, p["name"])] = {
                 name: buf[off: off + 4 * int(np.prod(shape))].view(np.int32).reshape(shape)
                 for name, (off, shape) in p["inputs"].items()}
 
@@ -231,23 +232,21 @@ class CudaExecutor:
                           feed=None):
         """execute_and_sample without waiting: -> the GpuSampler handle to collect. feed:
         (handle of the step before, its sampled rows, token positions in this step's
-        input_ids): those input ids are the ids that step sampled, copied on the device after
-        the upload (the host staged placeholders there)."""
-        self._launch_step(inputs, sampler=sampler, feed=feed)
+        input_ids): those input ids are the ids that step sampled, put in on the device by the
+        stage kernel (runtime/input_stager.py; the host staged placeholders there)."""
+        self._launch_step(inputs, feed=feed)
         return sampler.launch(rows, _resolved(metadata), seeds, prompt)
 
-    def _launch_step(self, inputs: Mapping[str, np.ndarray], sampler=None, feed=None) -> None:
+    def _launch_step(self, inputs: Mapping[str, np.ndarray], feed=None) -> None:
         """execute() up to the logits download: stage, upload, the bucket's launches (or graph)."""
         t, s, l_ = len(inputs["input_ids"]), len(inputs["seq_lens"]), len(inputs["logits_indices"])
         p = self._pick(t, s, l_)
         nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
         ctx = self.ctx
-        ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes], sync=False)
-        ctx.record(self._staged[self._turn])
-        self._turn ^= 1
         if feed is not None:
             prev, src_idx, dst_idx = feed
-            sampler.feed(prev.ids_dev, src_idx, self.bases["inputs"] + p["inputs"]["input_ids"][0], dst_idx)
+            feed = (prev.ids_dev, src_idx, dst_idx)
+        self.stager.put(nbytes, p["inputs"]["input_ids"][0], p["tokens"], feed)
         if p["decode"] and self.use_cuda_graphs:
             graph = self.graphs.get(p["name"])
             if graph is None:
@@ -278,7 +277,8 @@ class CudaExecutor:
         p = self._pick(t, s, l_)
         nbytes = self._stage(p, {k: np.asarray(v, dtype=np.int32) for k, v in inputs.items()})
         ctx, drv = self.ctx, self.ctx.drv
-        ctx.upload(self.bases["inputs"], self.host_inputs[:nbytes])
+        self.stager.put(nbytes, p["inputs"]["input_ids"][0], p["tokens"])
+        ctx.synchronize()
         ctx.begin_capture()
         self._launch_all(p)
         plain = ctx.end_capture()

@@ -4,18 +4,22 @@ The numpy Sampler (runtime/sampler.py) is the semantic reference; this runs the 
 steps with the bundle's sampling kernels (manifest["sampler"], compiled from
 codegen/triton/sampling.py), on the executor's stream, right after the plan:
 
-  upload    one pinned host buffer -> one async copy: row indices, per-row knobs and
-            Philox keys, the CSR processor entries (runtime/sampler_inputs.py), prompt
-            logprob rows and targets
+  upload    one pinned host buffer -> one async copy, on the side stream "in" (the main
+            stream waits for it by an event): row indices, per-row knobs and Philox keys,
+            the CSR processor entries (runtime/sampler_inputs.py), prompt logprob rows and
+            targets; skipped when the device copy holds those bytes already
   copy_rows raw copies of the sampled rows, only when some row wants logprobs (the
             processors below work in place; vLLM computes raw logprobs before them too)
   logprobs  prompt-logprob rows (raw: the processors never touch them)
   processors, sample, then logprobs of the sampled tokens on the raw copies
-  download  one copy back: the sampled ids, plus the logprobs tensors when asked
+  download  one copy back, on the side stream "out" behind an event after the kernels (the
+            next step's kernels need not queue behind it): the sampled ids, plus the
+            logprobs tensors when asked
 
 sample() is launch() then collect(). Under async scheduling the model runner launches a
-step, queues the next one (its input ids fed from this step's sampled ids on the device,
-feed()), and only then collects: two steps' pinned buffers are in use at a time.
+step, queues the next one (its input ids fed from this step's sampled ids on the device by
+the executor's stage kernel, runtime/input_stager.py), and only then collects: two steps'
+pinned buffers are in use at a time.
 
 Top-k logprobs beyond MAX_TOP_LOGPROBS (logprobs=-1 asks for the whole vocabulary)
 are gathered on the host from downloaded raw rows instead: the kernel's top-K is K
@@ -67,16 +71,19 @@ class _Pinned:
         self.host, self.dev, self.cap = self.ctx.host_alloc(cap), self.ctx.malloc(cap), cap
         self.on_dev = None
 
-    def upload(self, nbytes: int) -> None:
-        """host[:nbytes] -> dev on the stream, unless dev holds those bytes already: a steady
-        decode batch stages the same rows, knobs and feed indices step after step, and each copy
-        is a copy-engine round trip between the graph and the next (~2.6 us of the batch-1 step's
+    def upload(self, nbytes: int, stream=None) -> bool:
+        """host[:nbytes] -> dev on `stream`, unless dev holds those bytes already: a steady
+        decode batch stages the same rows and knobs step after step, and each copy was a
+        copy-engine round trip between the graph and the next (~2.6 us of the batch-1 step's
         ~33 us between graphs on the H200, bench/engine_timeline.py). The buffer's last step is
-        complete when it is restaged (GpuSampler._claim), and kernels only read it."""
+        complete when it is restaged (GpuSampler._claim), and kernels only read it. -> whether
+        a copy was queued (the caller orders its readers after it)."""
         staged = self.host[:nbytes].tobytes()
-        if staged != self.on_dev:
-            self.ctx.upload(self.dev, self.host[:nbytes], sync=False)
-            self.on_dev = staged
+        if staged == self.on_dev:
+            return False
+        self.ctx.upload(self.dev, self.host[:nbytes], sync=False, stream=stream)
+        self.on_dev = staged
+        return True
 
 
 @dataclass
@@ -114,10 +121,11 @@ class GpuSampler:
         self._rng = np.random.default_rng(seed)  # keys of unseeded rows (the numpy Sampler's only state)
         self._roles = {role: (kernels[s["kernel"]], s["args"], manifest["kernels"][s["kernel"]]["signature"])
                        for role, s in manifest["sampler"].items()}
-        # Two sets of pinned buffers (inputs, outputs, feed indices), one per step in flight,
-        # each with a marker recorded behind its step's copy back.
-        self._ins, self._outs, self._feeds = ([_Pinned(ctx), _Pinned(ctx)] for _ in range(3))
-        self._events = [ctx.marker(), ctx.marker()]
+        # Two sets of pinned buffers (inputs, outputs), one per step in flight, each with
+        # markers: behind its upload (on "in"), its kernels (main) and its copy back (on "out").
+        self._ins, self._outs = ([_Pinned(ctx), _Pinned(ctx)] for _ in range(2))
+        self._in, self._out = ctx.side_stream("in"), ctx.side_stream("out")
+        self._uploaded, self._sampled, self._events = ([ctx.marker(), ctx.marker()] for _ in range(3))
         for e in self._events:
             ctx.record(e)
         self._pending: list[Optional[SampleHandle]] = [None, None]
@@ -140,7 +148,7 @@ class GpuSampler:
         """sample() up to the copy back, queued on the stream: -> a handle for collect(). Two
         steps may be in flight (each has its own pinned buffers); a third launch needs the
         first one collected. The sampled ids stay on the device at handle.ids_dev for
-        feed() into the next step's inputs."""
+        the next step's inputs (runtime/input_stager.py)."""
         B, V = len(rows), self.vocab
         if B and (md is None or md.batch_size != B or md.vocab_size != V):
             raise ValueError(f"{B} sampled rows over a vocabulary of {V} do not match the sampling metadata")
@@ -195,8 +203,11 @@ class GpuSampler:
                          tok_idx_ptr=staged["iota"], ids_ptr=out["lp_ids"], lp_ptr=out["lp"],
                          rank_ptr=out["lp_rank"], stride=stride, K=k)
         host = ob.host[:o_bytes]
-        self.ctx.download_async(ob.dev, host)  # one copy back
-        self.ctx.record(self._events[slot])
+        ctx = self.ctx
+        ctx.record(self._sampled[slot])
+        ctx.wait(self._sampled[slot], stream=self._out)
+        ctx.download_async(ob.dev, host, stream=self._out)  # one copy back
+        ctx.record(self._events[slot], stream=self._out)
         h = SampleHandle(slot, B, k, gpu_k, kp, gpu_kp, o_off, host, list(prompt), on_gpu, p_out, out["ids"],
                          host_gather=k is not None and not gpu_k)
         self._pending[slot], self._claimed, self._turn = h, None, slot ^ 1
@@ -242,26 +253,11 @@ class GpuSampler:
                 start += n
         return result, p_out
 
-    def feed(self, src_ids_dev: int, src_idx: np.ndarray, dst_ptr: int, dst_idx: np.ndarray) -> None:
-        """Queue dst[dst_idx[j]] = src[src_idx[j]] (i32) on the stream: the ids a launch()ed step
-        sampled (its handle.ids_dev) into the next step's uploaded input ids (async scheduling).
-        Uses the pinned buffers of the step about to be launched."""
-        n = len(src_idx)
-        if not n:
-            return
-        if "feed" not in self._roles:
-            raise RuntimeError("this bundle has no feed kernel (compiled before async scheduling fed ids on the GPU)")
-        slot = self._claim()
-        fb = self._feeds[slot]
-        fb.reserve(8 * n)
-        fb.host[:4 * n] = np.ascontiguousarray(src_idx, np.int32).view(np.uint8)
-        fb.host[4 * n:8 * n] = np.ascontiguousarray(dst_idx, np.int32).view(np.uint8)
-        fb.upload(8 * n)
-        self._launch("feed", n, src_ptr=src_ids_dev, src_idx_ptr=fb.dev, dst_ptr=dst_ptr, dst_idx_ptr=fb.dev + 4 * n)
-
     @property
     def can_feed(self) -> bool:
-        return "feed" in self._roles
+        """Whether the bundle can feed one step's sampled ids (handle.ids_dev) into the next
+        step's input ids on the device: its stage kernel, which CudaExecutor launches."""
+        return "stage" in self._roles
 
     def _claim(self) -> int:
         """The pinned buffers of the step being launched: their last user (two launches ago)
@@ -306,7 +302,9 @@ class GpuSampler:
         buf = ib.host
         for name, a in arrays.items():
             buf[offs[name]: offs[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        ib.upload(nbytes)
+        if ib.upload(nbytes, stream=self._in):
+            self.ctx.record(self._uploaded[slot], stream=self._in)
+            self.ctx.wait(self._uploaded[slot])
         return {name: ib.dev + off for name, off in offs.items()}, inp
 
     def _prompt_on_host(self, j: PromptJob) -> LogprobsTensors:
@@ -338,16 +336,22 @@ class GpuSampler:
 
     def _launch(self, role: str, grid: int | tuple[int, int], **args) -> None:
         kernel, names, sig = self._roles[role]
-        vals, types = [], []
-        for name, ty in zip(names, sig):
-            vals.append(int(args[name]) if ty.startswith(("*", "i")) else float(args[name]))
-            types.append(ctypes.c_void_p if ty.startswith("*") else _CTYPES[ty])
-        hidden, hidden_types = kernel.hidden_args()  # the sampling kernels need no global scratch
-        vals += hidden
-        types += hidden_types
-        drv = self.ctx.drv
-        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
-        err, = drv.cuLaunchKernel(kernel.function, gx, gy, 1, 32 * kernel.num_warps, 1, 1, kernel.shared,
-                                  self.ctx.stream, (tuple(vals), tuple(types)), 0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"launching {kernel.name} failed: {err}")
+        launch_named(self.ctx, kernel, grid, names, sig, **args)
+
+
+def launch_named(ctx, kernel, grid: int | tuple[int, int], names: Sequence[str], sig: Sequence[str], **args) -> None:
+    """One launch of a kernel recorded by argument names (a bundle's sampler roles) on ctx's
+    main stream: args by name, typed by the kernel's signature."""
+    vals, types = [], []
+    for name, ty in zip(names, sig):
+        vals.append(int(args[name]) if ty.startswith(("*", "i")) else float(args[name]))
+        types.append(ctypes.c_void_p if ty.startswith("*") else _CTYPES[ty])
+    hidden, hidden_types = kernel.hidden_args()  # these kernels need no global scratch
+    vals += hidden
+    types += hidden_types
+    drv = ctx.drv
+    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+    err, = drv.cuLaunchKernel(kernel.function, gx, gy, 1, 32 * kernel.num_warps, 1, 1, kernel.shared,
+                              ctx.stream, (tuple(vals), tuple(types)), 0)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"launching {kernel.name} failed: {err}")

@@ -20,8 +20,10 @@ rows of a step need not be contiguous.
   logprobs_kernel           log_softmax of raw logits: a given token's logprob and
       rank, and the top K with `gather_logprobs`' tie rules.
   copy_rows_kernel          raw rows aside before the processors touch them.
-  feed_tokens_kernel        tokens a step sampled into the next step's input ids, on the
-      device (async scheduling: the next step is launched before the ids reach the host).
+  stage_inputs_kernel       a step's input block from its staging copy into place, with the
+      tokens the step before sampled patched into its input ids on the device (async
+      scheduling: the next step is launched before the ids reach the host). Not sampling,
+      but the sampler's ids are what it feeds, so it is compiled and recorded beside them.
 
 Top-k and top-p need no sort: the k-th largest value and the top-p cut are found by radix
 searches over the order-preserving int32 image of the f32 values, one pass over the row per
@@ -402,10 +404,18 @@ def copy_rows_kernel(src_ptr, row_idx_ptr, dst_ptr, stride, V: tl.constexpr, BLO
 
 
 @triton.jit
-def feed_tokens_kernel(src_ptr, src_idx_ptr, dst_ptr, dst_idx_ptr):
-    # grid: (n,); dst[dst_idx[j]] = src[src_idx[j]] (i32)
-    j = tl.program_id(0)
-    tl.store(dst_ptr + tl.load(dst_idx_ptr + j), tl.load(src_ptr + tl.load(src_idx_ptr + j)))
+def stage_inputs_kernel(src_ptr, dst_ptr, map_ptr, ids_ptr, n_words, ids_off, n_ids, BLOCK: tl.constexpr):
+    # grid: (cdiv(n_words, BLOCK),); dst[i] = src[i] (i32 words), except at the n_ids input ids from
+    # word ids_off on: there, where map[j] >= 0, dst[ids_off + j] = ids[map[j]] (a sampled id)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n_words
+    v = tl.load(src_ptr + offs, mask=live)
+    j = offs - ids_off
+    fed = live & (j >= 0) & (j < n_ids)
+    s = tl.load(map_ptr + j, mask=fed, other=-1)
+    fed = fed & (s >= 0)
+    v = tl.where(fed, tl.load(ids_ptr + s, mask=fed, other=0), v)
+    tl.store(dst_ptr + offs, v, mask=live)
 
 
 # -- specs --------------------------------------------------------------------------------
@@ -421,10 +431,12 @@ SIGNATURES = {
     "logprobs": dict(logits_ptr=_P, row_idx_ptr="*i32", tok_ptr="*i32", tok_idx_ptr="*i32", ids_ptr="*i32",
                      lp_ptr=_P, rank_ptr="*i32", stride="i32", K="i32"),
     "copy_rows": dict(src_ptr=_P, row_idx_ptr="*i32", dst_ptr=_P, stride="i32"),
-    "feed": dict(src_ptr="*i32", src_idx_ptr="*i32", dst_ptr="*i32", dst_idx_ptr="*i32"),
+    "stage": dict(src_ptr="*i32", dst_ptr="*i32", map_ptr="*i32", ids_ptr="*i32", n_words="i32", ids_off="i32",
+                  n_ids="i32"),
 }
+STAGE_BLOCK = 1024  # i32 words a stage_inputs program moves: a batch-1 decode step's inputs are one program
 _KERNELS = {"processors": "logits_processors_kernel", "sample": "sample_kernel", "logprobs": "logprobs_kernel",
-            "copy_rows": "copy_rows_kernel", "feed": "feed_tokens_kernel"}
+            "copy_rows": "copy_rows_kernel", "stage": "stage_inputs_kernel"}
 
 
 def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseConfig | None = None,
@@ -433,9 +445,10 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
     The grid is the row count of a step: a bundle records the spec once, the runtime
     launches it with the rows it has."""
     sig = SIGNATURES[role]
-    if role == "feed":  # one scalar copy per program; dst is an input array inside a region
-        return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs={}, grid=(rows,),
-                          num_warps=1, num_stages=1, divisible=("src_ptr", "src_idx_ptr", "dst_idx_ptr"))
+    if role == "stage":  # rows: the programs (words / STAGE_BLOCK); every pointer is 16-byte aligned
+        return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig, constexprs=dict(BLOCK=STAGE_BLOCK),
+                          grid=(rows,), num_warps=4, num_stages=1,
+                          divisible=("src_ptr", "dst_ptr", "map_ptr", "ids_ptr"))
     if role == "sample":  # one program per BLOCK_V tokens of a row: its own launch config
         config = config or SAMPLE_CONFIG
         np_ = -(-vocab // config.block)
@@ -464,7 +477,8 @@ def sampler_manifest(specs: dict[str, KernelSpec], key) -> dict:
     its kernel (key(role, spec)), argument names, and for the sample kernel the programs a row
     is split over and their padded count (its scratch layout, runtime/sample_phases.py)."""
     return {role: {"kernel": key(role, spec), "args": list(spec.signature),
-                   **({"programs": spec.grid[1], "np_pad": spec.constexprs["NP_PAD"]} if role == "sample" else {})}
+                   **({"programs": spec.grid[1], "np_pad": spec.constexprs["NP_PAD"]} if role == "sample" else {}),
+                   **({"block": spec.constexprs["BLOCK"]} if role == "stage" else {})}
             for role, spec in specs.items()}
 
 
@@ -533,11 +547,16 @@ def logprobs(logits, row_idx, tokens, k: int, tok_idx=None, *,
     return ids, lp, rank
 
 
-def feed_tokens(src, src_idx, dst, dst_idx) -> None:
-    """dst[dst_idx[j]] = src[src_idx[j]], in place on dst (i32)."""
-    n = len(src_idx)
-    check(len(dst_idx) == n, "feed_tokens: one destination per source index")
-    launch(sampling_spec("feed", 0, n), [_i32(src), _i32(src_idx), as_buf(dst), _i32(dst_idx)])
+def stage_inputs(src, dst, ids_off: int, feed_map=None, ids=None) -> None:
+    """dst[:len(src)] = src (i32), in place on dst, then dst[ids_off + j] = ids[feed_map[j]]
+    wherever feed_map[j] >= 0 (feed_map None: nothing fed)."""
+    n = len(src)
+    n_ids = 0 if feed_map is None else len(feed_map)
+    check(ids_off + n_ids <= n, "stage_inputs: the fed input ids lie outside the staged words")
+    feed_map = np.full(1, -1, np.int32) if feed_map is None else feed_map
+    ids = np.zeros(1, np.int32) if ids is None else ids
+    launch(sampling_spec("stage", 0, -(-n // STAGE_BLOCK)),
+           [_i32(src), as_buf(dst), _i32(feed_map), _i32(ids), n, int(ids_off), n_ids])
 
 
 def copy_rows(logits, row_idx, *, config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:

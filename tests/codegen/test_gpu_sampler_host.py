@@ -16,6 +16,7 @@ from kiln.codegen.triton.launch import Buf, _interpreter_compat, kernel_fn
 from kiln.runtime.cuda_driver import Kernel
 from kiln.runtime.cuda_executor import _resolved
 from kiln.runtime.gpu_sampler import GpuSampler, PromptJob
+from kiln.runtime.input_stager import InputStager
 from kiln.runtime.sampler import Sampler, compute_logprobs, gather_logprobs
 from kiln.runtime.sampling_metadata import SamplingMetadata
 from kiln.runtime.sampling_params import SamplingParams
@@ -50,7 +51,10 @@ class HostDevice:
     def free(self, ptr):
         del self.blocks[ptr]
 
-    def upload(self, ptr, host, sync=True):
+    def side_stream(self, name):
+        return name
+
+    def upload(self, ptr, host, sync=True, stream=None):
         host = np.ascontiguousarray(host)
         ctypes.memmove(ptr, host.ctypes.data, host.nbytes)
 
@@ -64,13 +68,16 @@ class HostDevice:
     def memset(self, ptr, nbytes):
         ctypes.memset(ptr, 0, nbytes)
 
-    def download_async(self, ptr, out):  # the stand-in runs everything at once
+    def download_async(self, ptr, out, stream=None):  # the stand-in runs everything at once
         return self.download(ptr, out)
 
     def marker(self):
         return object()
 
-    def record(self, event):
+    def record(self, event, stream=None):
+        pass
+
+    def wait(self, event, stream=None):
         pass
 
     def event_sync(self, event):
@@ -96,6 +103,14 @@ def host_sampler(dev: HostDevice, vocab: int, logits_ptr: int, seed=0, block=32)
                 "kernels": {r: {"signature": list(s.signature.values())} for r, s in specs.items()}}
     kernels = {r: Kernel(s.kernel, s, s.num_warps, 0, 0) for r, s in specs.items()}
     return GpuSampler(dev, manifest, kernels, logits_ptr, seed=seed)
+
+
+def host_stager(dev: HostDevice, dst_ptr: int, nbytes: int, max_tokens: int) -> InputStager:
+    """An InputStager as CudaExecutor builds it, over `nbytes` of inputs at dst_ptr."""
+    spec = K.sampler_specs(256)["stage"]
+    role = K.sampler_manifest({"stage": spec}, lambda role, spec: role)["stage"]
+    return InputStager(dev, Kernel(spec.kernel, spec, spec.num_warps, 0, 0), role, list(spec.signature.values()),
+                       dst_ptr, nbytes, max_tokens)
 
 
 def test_one_step_equals_the_numpy_sampler():
@@ -147,7 +162,7 @@ def test_a_steady_batch_uploads_its_sampling_inputs_once_per_slot():
     dev = HostDevice()
     uploads = []
     real_upload = dev.upload
-    dev.upload = lambda ptr, host, sync=True: (uploads.append(ptr), real_upload(ptr, host, sync))
+    dev.upload = lambda ptr, host, sync=True, stream=None: (uploads.append((ptr, stream)), real_upload(ptr, host, sync))
     ptr = dev.malloc(4 * 4 * V)
     sampler = host_sampler(dev, V, ptr)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
@@ -165,6 +180,7 @@ def test_a_steady_batch_uploads_its_sampling_inputs_once_per_slot():
         return len(uploads) - before
 
     assert [step([0, 2], params) for _ in range(5)] == [1, 1, 0, 0, 0]  # one per slot, then none
+    assert {stream for _, stream in uploads} == {"in"}  # on the side stream, never in the main one's queue
     assert step([1, 3], params) == 1  # other rows: staged again
     hot = [SamplingParams(temperature=0), SamplingParams(temperature=0.8)]
     assert [step([1, 3], hot) for _ in range(3)] == [1, 1, 1]  # an unseeded row's key is drawn per step
@@ -212,11 +228,13 @@ def test_llm_tokens_and_logprobs_equal_the_cpu_path(tmp_path):
 
 def _on_host_device(llm) -> None:
     """Give llm's runner the device path over the stand-in: its CPU executor's logits written to
-    "device" memory, then a GpuSampler; input ids fed through "device" memory by the feed kernel."""
+    "device" memory, then a GpuSampler; input ids staged into "device" memory by the executor's
+    InputStager, the ids still in flight fed in by its stage kernel."""
     runner = llm.engine.core.runner
     dev, cpu_executor = HostDevice(), runner.executor
     logits_ptr = dev.malloc(4 * 256 * 64)
     ids_ptr = dev.malloc(4 * 64)
+    stager = host_stager(dev, ids_ptr, 4 * 64, 64)
 
     class DeviceLogits:
         num_blocks = cpu_executor.num_blocks
@@ -225,13 +243,14 @@ def _on_host_device(llm) -> None:
             return sampler.collect(self.launch_and_sample(inputs, sampler, rows, md, seeds, prompt))
 
         def launch_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=(), feed=None):
+            ids = np.ascontiguousarray(inputs["input_ids"], np.int32)
             if feed is not None:
                 prev, src_idx, dst_idx = feed
-                assert (inputs["input_ids"][dst_idx] == -1).all()  # placeholders, nothing else
-                ids = np.ascontiguousarray(inputs["input_ids"], np.int32)
-                dev.upload(ids_ptr, ids)
-                sampler.feed(prev.ids_dev, src_idx, ids_ptr, dst_idx)
-                inputs = dict(inputs, input_ids=dev.download(ids_ptr, np.empty_like(ids)))
+                assert (ids[dst_idx] == -1).all()  # placeholders, nothing else
+                feed = (prev.ids_dev, src_idx, dst_idx)
+            stager.buffer()[:ids.nbytes] = ids.view(np.uint8)
+            stager.put(ids.nbytes, 0, len(ids), feed)
+            inputs = dict(inputs, input_ids=dev.download(ids_ptr, np.empty_like(ids)))
             assert (inputs["input_ids"] >= 0).all()
             logits = next(iter(cpu_executor.execute(inputs).values()))
             dev.upload(logits_ptr, np.ascontiguousarray(logits, np.float32))
@@ -242,8 +261,8 @@ def _on_host_device(llm) -> None:
 
 def test_async_scheduling_feeds_sampled_ids_on_the_device(tmp_path):
     """Async scheduling through the device path: each step is launched before the one ahead of
-    it is read back, its input ids fed from that step's sampled ids by the feed kernel
-    (GpuSampler.feed); penalised rows (which read their tokens on the host) wait for them.
+    it is read back, its input ids fed from that step's sampled ids by the stage kernel
+    (runtime/input_stager.py); penalised rows (which read their tokens on the host) wait for them.
     Tokens and logprobs equal the synchronous engine's on the same device path."""
     pytest.importorskip("torch")
     from kiln import LLM

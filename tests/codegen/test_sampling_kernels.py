@@ -107,17 +107,27 @@ def test_copy_rows():
     assert np.array_equal(K.copy_rows(logits, np.array([3, 0]), config=CFG), logits[[3, 0]])
 
 
-def test_feed_tokens_scatters_sampled_ids_into_input_ids():
-    """The async-scheduling feed: each sampled id lands at its input position, nothing else moves."""
+@pytest.mark.parametrize("n_words", [5, 1024, 2500])
+def test_stage_inputs_copies_the_block_and_feeds_sampled_ids(n_words):
+    """The step-input stage: every staged word lands in place, except the fed input ids, which
+    take the sampled id their map names (-1: the staged word); words past the block move not."""
     rng = np.random.default_rng()
-    src = rng.integers(0, 50_000, size=12).astype(np.int32)
-    dst = rng.integers(0, 50_000, size=40).astype(np.int32)
-    src_idx = rng.permutation(12)[:7].astype(np.int32)
-    dst_idx = rng.permutation(40)[:7].astype(np.int32)
+    src = rng.integers(-2**31, 2**31 - 1, size=n_words, dtype=np.int64).astype(np.int32)
+    dst = rng.integers(0, 50_000, size=n_words + 40).astype(np.int32)
+    ids = rng.integers(0, 50_000, size=12).astype(np.int32)
+    n_ids = int(rng.integers(1, min(n_words, 600) + 1))
+    ids_off = int(rng.integers(0, n_words - n_ids + 1))
+    fmap = np.full(n_ids, -1, np.int32)
+    fed = rng.permutation(n_ids)[:min(n_ids, 7)]
+    fmap[fed] = rng.integers(0, 12, size=len(fed))
     want = dst.copy()
-    want[dst_idx] = src[src_idx]
-    K.feed_tokens(src, src_idx, dst, dst_idx)
+    want[:n_words] = src
+    want[ids_off + fed] = ids[fmap[fed]]
+    K.stage_inputs(src, dst, ids_off, fmap, ids)
     assert np.array_equal(dst, want)
+    src2 = rng.integers(0, 50_000, size=n_words).astype(np.int32)
+    K.stage_inputs(src2, dst, ids_off)  # nothing fed: the placeholders stay as staged
+    assert np.array_equal(dst[:n_words], src2) and np.array_equal(dst[n_words:], want[n_words:])
 
 
 def _reference_mask(row, temperature, k, p, min_p):
