@@ -7,6 +7,8 @@ serve`) with token-id prompts, greedy sampling (decode, throughput and random-25
     prefill      one --input-len 2048 prompt (tok/s, from the engine's time to first token)
     throughput   --num-requests 1000 of --input-len 1000 and --output-len 1000 at once (output tok/s)
     random-256   256 requests, input and output lengths uniform in [--min-len 100, 1024] (seeded)
+                 (both offline workloads: on a GPU with torch beside, the workload's floor as the
+                 roofline: its matmul FLOPs and decode K/V bytes at rates measured in the run, bench/floor.py)
     server       `build.py serve` at each --concurrency 1 8 32 128, max(4, 2C) requests of --input-len 512
                  and --output-len 256 per level: TTFT, TPOT, output tok/s, next to the offline engine on
                  the same requests (bench/server_workload.py); its value is the top level's output tok/s
@@ -206,6 +208,12 @@ def prefill(a) -> dict:
 
 
 def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
+    rates = None
+    if a.target != "cpu":  # the floor's two ceilings, measured before the engine takes the memory
+        from kiln.bench.device import copy_bandwidth
+        from kiln.bench.floor import gpu_matmul_rate
+
+        rates = (gpu_matmul_rate(), copy_bandwidth(a.target))
     rng = np.random.default_rng(a.seed)
     with engine(a) as llm:
         vocab = llm.engine.vocab_size
@@ -216,8 +224,15 @@ def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
             outs = llm.generate(prompts, [sampling(n, a) for n in out_lens])
             wall = time.perf_counter() - t0
         ahead = llm.engine.core.async_scheduling  # as the engine ran, not as asked
+        roofline = None
+        if rates and rates[0]:  # torch with CUDA beside the engine: the workload's floor (bench/floor.py)
+            from kiln.bench.floor import floor
+            from kiln.graph import DType, to_numpy
+
+            kv = to_numpy(DType(llm.model.graph.attrs["kv_cache_dtype"])).itemsize
+            roofline = floor(llm.model.source.config, in_lens, out_lens, kv, *rates)
     produced = check_lengths(outs, out_lens)
-    return {"metric": "output_tok_s", "value": produced / wall, "roofline": None,
+    return {"metric": "output_tok_s", "value": produced / wall, "roofline": roofline,
             "total_tok_s": (sum(in_lens) + produced) / wall, "requests_per_s": len(outs) / wall, "wall_s": wall,
             "ttft_ms": summary_ms([o.metrics.ttft for o in outs]),
             "tpot_ms": summary_ms([o.metrics.tpot for o in outs]),

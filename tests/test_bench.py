@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kiln.bench.make_random_model import make_random_model
@@ -99,6 +100,50 @@ def test_throughput_with_top_k_top_p_sampling(tmp_path, tiny_ckpt):
     assert rec["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
     assert " --temperature 0.8 --top-k 20 --top-p 0.9" in rec["command"] and rec["output_tokens"] == 15
     assert run_bench(tmp_path, tiny_ckpt, "throughput")["sampling"] == "greedy"
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1-8b", "qwen3-8b"])
+def test_floor_counts_the_linears_transformers_builds(shape):
+    """bench/floor.py's per-layer linear weights and LM head against the model transformers builds
+    from the same config.json (on the meta device: no memory): every nn.Linear of a layer."""
+    import torch
+    import transformers
+
+    from kiln.bench.floor import linear_params
+    from kiln.bench.make_random_model import hf_config
+    from kiln.models.config import ModelConfig
+
+    d = hf_config(shape)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    layer = sum(m.weight.numel() for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    assert linear_params(ModelConfig.from_hf_dict(d)) == (layer, model.lm_head.weight.numel())
+
+
+def test_floor_work_equals_a_token_by_token_count():
+    """The closed forms of bench/floor.work against walking every token of every request: a prompt
+    position p attends p + 1 keys (matmul), a fed-back output at position p reads p + 1 keys' K/V."""
+    from kiln.bench.floor import floor, linear_params, work
+    from kiln.bench.make_random_model import hf_config
+    from kiln.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(hf_config("tiny-llama"))
+    layer, head = linear_params(cfg)
+    L, H, D, Hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
+    rng = np.random.default_rng()
+    in_lens, out_lens = rng.integers(1, 40, size=7).tolist(), rng.integers(1, 30, size=7).tolist()
+    flops = kv_bytes = 0
+    for i, o in zip(in_lens, out_lens):
+        for p in range(i):  # the prompt
+            flops += 2 * layer * L + 4 * H * D * L * (p + 1)
+        for p in range(i, i + o - 1):  # outputs fed back (the last one never is)
+            flops += 2 * layer * L
+            kv_bytes += (p + 1) * 2 * Hkv * D * 1 * L
+        flops += 2 * head * o  # one LM-head row per output
+    assert work(cfg, in_lens, out_lens, 1) == {"matmul_flops": flops, "kv_read_bytes": kv_bytes}
+    f = floor(cfg, in_lens, out_lens, 1, 1e12, 2e12)
+    assert f["floor_s"] == pytest.approx(flops / 1e12 + kv_bytes / 2e12)
+    assert f["tok_s"] == pytest.approx(sum(out_lens) / f["floor_s"])
 
 
 def test_random_256_is_seeded(tmp_path, tiny_ckpt):
