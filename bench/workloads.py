@@ -8,7 +8,8 @@ serve`) with token-id prompts, greedy sampling (decode, throughput and random-25
     throughput   --num-requests 1000 of --input-len 1000 and --output-len 1000 at once (output tok/s)
     random-256   256 requests, input and output lengths uniform in [--min-len 100, 1024] (seeded)
                  (both offline workloads: on a GPU with torch beside, the workload's floor as the
-                 roofline: its matmul FLOPs and decode K/V bytes at rates measured in the run, bench/floor.py)
+                 roofline: its matmul FLOPs and decode K/V bytes at rates measured in the run, bench/floor.py;
+                 everywhere the engine steps split into decode-only and prompt-carrying ones, StepLog)
     server       `build.py serve` at each --concurrency 1 8 32 128, max(4, 2C) requests of --input-len 512
                  and --output-len 256 per level: TTFT, TPOT, output tok/s, next to the offline engine on
                  the same requests (bench/server_workload.py); its value is the top level's output tok/s
@@ -129,6 +130,33 @@ class _TokenBar:
         self.bar.update(iteration_stats.num_generation_tokens)
 
 
+class StepLog:
+    """A stat logger that keeps each engine step's scheduled and sampled token counts and the wall
+    time since the step before (under async scheduling a step is logged when its outputs are
+    read, so in a steady run the gaps are the GPU's step periods)."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.steps: list[tuple[int, int, float]] = []  # (scheduled tokens, sampled tokens, seconds)
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        now = time.perf_counter()
+        self.steps.append((iteration_stats.num_scheduled_tokens, iteration_stats.num_generation_tokens, now - self.t))
+        self.t = now
+
+    def summary(self) -> dict:
+        """Steps split by kind: "decode" steps sample a token for every token they schedule (each
+        running request one token); "prompt" steps carry prompt tokens (chunked prefill, decode rows
+        riding along). -> per kind: steps, seconds, median ms a step, scheduled and sampled tokens."""
+        out = {}
+        for kind, pick in (("decode", lambda n, g: n == g), ("prompt", lambda n, g: n > g)):
+            rows = [r for r in self.steps if r[0] and pick(r[0], r[1])]
+            out[kind] = {"steps": len(rows), "seconds": sum(r[2] for r in rows),
+                         "median_ms": 1e3 * statistics.median(r[2] for r in rows) if rows else None,
+                         "scheduled_tokens": sum(r[0] for r in rows), "sampled_tokens": sum(r[1] for r in rows)}
+        return out
+
+
 @contextmanager
 def progress(llm, a, total: int, desc: str):
     from tqdm import tqdm
@@ -220,9 +248,12 @@ def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
         prompts = random_prompts(rng, in_lens, vocab)
         llm.generate(random_prompts(rng, [8], vocab), sampling(4))  # warm-up
         with progress(llm, a, sum(out_lens), desc):
-            t0 = time.perf_counter()
+            steps = StepLog()
+            llm.engine.stat_loggers.append(steps)
+            t0 = steps.t = time.perf_counter()
             outs = llm.generate(prompts, [sampling(n, a) for n in out_lens])
             wall = time.perf_counter() - t0
+            llm.engine.stat_loggers.remove(steps)
         ahead = llm.engine.core.async_scheduling  # as the engine ran, not as asked
         roofline = None
         if rates and rates[0]:  # torch with CUDA beside the engine: the workload's floor (bench/floor.py)
@@ -237,7 +268,7 @@ def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
             "ttft_ms": summary_ms([o.metrics.ttft for o in outs]),
             "tpot_ms": summary_ms([o.metrics.tpot for o in outs]),
             "num_requests": len(outs), "input_tokens": sum(in_lens), "output_tokens": produced,
-            "expected_output_tokens": sum(out_lens), "async_scheduling": ahead}
+            "expected_output_tokens": sum(out_lens), "async_scheduling": ahead, "steps": steps.summary()}
 
 
 def throughput(a) -> dict:

@@ -84,6 +84,19 @@ def test_throughput(tmp_path, tiny_ckpt):
     assert rec["metric"] == "output_tok_s" and rec["num_requests"] == 3
     assert rec["output_tokens"] == 15 and rec["input_tokens"] == 36
     assert rec["async_scheduling"] is False
+    _check_steps(rec)
+
+
+def _check_steps(rec: dict) -> None:
+    """The step log adds up: every request's tokens but its last output go through the model once,
+    every output is sampled once, and the steps' time is inside the wall time."""
+    steps = rec["steps"]
+    assert steps["prompt"]["steps"] >= 1 and steps["decode"]["steps"] >= 1
+    fed = rec["input_tokens"] + rec["output_tokens"] - rec["num_requests"]
+    assert sum(k["scheduled_tokens"] for k in steps.values()) == fed
+    assert sum(k["sampled_tokens"] for k in steps.values()) == rec["output_tokens"]
+    assert steps["decode"]["scheduled_tokens"] == steps["decode"]["sampled_tokens"]
+    assert 0 < sum(k["seconds"] for k in steps.values()) <= rec["wall_s"]
 
 
 def test_throughput_with_async_scheduling(tmp_path, tiny_ckpt):
@@ -91,6 +104,7 @@ def test_throughput_with_async_scheduling(tmp_path, tiny_ckpt):
     rec = run_bench(tmp_path, tiny_ckpt, "throughput", "--async-scheduling")
     assert rec["async_scheduling"] is True and " --async-scheduling" in rec["command"]
     assert rec["output_tokens"] == 15
+    _check_steps(rec)
 
 
 def test_throughput_with_top_k_top_p_sampling(tmp_path, tiny_ckpt):
@@ -152,6 +166,7 @@ def test_random_256_is_seeded(tmp_path, tiny_ckpt):
     assert a["num_requests"] == 6 and a["input_tokens"] == b["input_tokens"]
     assert a["expected_output_tokens"] == b["expected_output_tokens"]
     assert 6 * 2 <= a["output_tokens"] <= 6 * 5 and 6 * 2 <= a["input_tokens"] <= 6 * 12
+    _check_steps(a)
 
 
 def test_cold_start(tmp_path, tiny_ckpt):
