@@ -20,9 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from kiln.runtime.gpu_sampler import launch_named
-
-_ALIGN = 64
+from kiln.runtime.gpu_sampler import _ALIGN, launch_named
 
 
 def _aligned(n: int) -> int:
