@@ -40,7 +40,7 @@ def gpu_records(trace_path: str) -> list[tuple[str, str, float, float]]:
 def split_graphs(rs: list, plan: list[str]) -> tuple[list[tuple[int, int]], list]:
     """-> ([(first, last) record index of each graph replay], rs): a replay is len(plan) kernels
     whose names follow the plan's order."""
-    spans, i, n = [], 0, len(plan)
+    spans, i = [], 0
     while i < len(rs):
         if rs[i][0] == "kernel" and rs[i][1] == plan[0]:
             j, ok = i, True

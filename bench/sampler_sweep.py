@@ -18,7 +18,6 @@ import json
 import numpy as np
 
 from kiln.codegen.autotune import Bench, Timed
-from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.sampling import sampling_spec
 from kiln.runtime.cuda_driver import CudaContext
 from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch

@@ -7,7 +7,7 @@ ask structural questions; `topo_order()` is the execution order.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
 import networkx as nx
 

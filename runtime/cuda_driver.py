@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
