@@ -2,7 +2,7 @@
 
     python bench/attn_sweep.py [--case decode256@1500|prefill2048|decode1@512|mixed512@1500+1536|
                                        decode512@1000-2000v ...] [--split auto|on|off] [--route]
-                               [--cache-dtype bf16|fp8] [--module MOD] [--max-model-len N] --configs SPEC ...
+                               [--cache-dtype bf16|fp8] [--module MOD ...] [--max-model-len N] --configs SPEC ...
                                [--json OUT]
 
 Times kiln's paged_attention kernel the way `build.py tune` does, with the same code
@@ -18,8 +18,11 @@ sums: a model's choice, never a bucket's).
 A config is `tile,seg,block_q,warps,stages[,maxnreg[,key_halves]]` (maxnreg 0: no cap; key_halves:
 decode cases, every size class); for prefill cases block_q/warps/stages are the prefill ones. --split: decode split-KV as a bundle's plan has it (auto), or forced.
 --cache-dtype fp8: the KV cache of --kv-cache-dtype fp8. --module points the launch at another
-copy of the kernel (an A/B). --route: a mixed case's decode rows in a launch of the decode variant
-(AttentionConfig.route_mixed), against the default of every row in the prefill variant.
+copy of the kernel; given several, every config runs in each, in one process, and each output is
+compared with the first module's (an A/B: `git show HEAD:codegen/triton/paged_attention.py >
+codegen/triton/pa_old.py`, then `--module kiln.codegen.triton.pa_old kiln.codegen.triton.paged_attention`).
+--route: a mixed case's decode rows in a launch of the decode variant (AttentionConfig.route_mixed),
+against the default of every row in the prefill variant.
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def main() -> None:
     ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512, "
                     "mixed512@1500[+1536] (decode rows and a prompt chunk in the prefill kernel), "
                     "decode512@1000-2000[v] (lengths spread over a range, random or longest first); repeatable")
-    ap.add_argument("--module", help="kernel module to launch instead of kiln's (A/B)")
+    ap.add_argument("--module", nargs="+", default=[L.MODULE],
+                    help="kernel modules to launch instead of kiln's, each in turn (A/B; default: kiln's)")
     ap.add_argument("--split", choices=("auto", "on", "off"), default="auto", help="split-KV (decode)")
     ap.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16", help="fp8: --kv-cache-dtype fp8")
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -74,8 +78,6 @@ def main() -> None:
             _, _, bs, hkv, d = L.shape_of(x)
             return (st[0], st[1], d, bs * d)  # block, K/V, position, head
         L.strides_of = hnd
-    if a.module:
-        L.MODULE = a.module
     ctx = CudaContext()
     bench = Bench(ctx, f"sm_{ctx.arch}", progress=lambda s: None)
     shape = AttentionShape(H, HKV, D, BS, a.max_model_len,
@@ -84,31 +86,34 @@ def main() -> None:
     for name in a.case or ["decode256"]:
         case = parse_case(name, {"auto": None, "on": True, "off": False}[a.split])
         rig = AttentionRig(bench, shape, case)
-        ref = {}
-        for spec in a.configs:
-            cfg = dataclasses.replace(parse(spec, case.decode), route_mixed=a.route)
-            timed = rig.timed(cfg)
-            cap = [c for c in spec.split(",")[5:6] if c != "0"]  # a sixth field: the kernel's register cap
-            if cap:
-                for rep in timed.reps:
-                    rep[:] = [(dataclasses.replace(s, maxnreg=int(cap[0])) if s.kernel == "paged_attention_kernel"
-                               else s, a) for s, a in rep]
-            bench.compile([s for s, _ in timed.reps[0]])
-            if not all(bench.fits(s) for s, _ in timed.reps[0]):
-                print(f"{name:14s} {spec:18s} needs more shared memory than a block has", flush=True)
-                continue
-            us, out = bench.time_us(timed), rig.output()
-            key = (cfg.tile, cfg.seg)
-            same = "first" if key not in ref else ("same bits" if out == ref[key] else "BITS DIFFER")
-            ref.setdefault(key, out)
-            if case.decode or name.startswith("mixed"):
-                rate = f"{rig.kv_bytes / us / 1e6:6.2f} TB/s K/V"
-            else:
-                n = case.lens[0]
-                rate = f"{4 * n * n * D * H / 2 / us / 1e6:6.1f} TFLOP/s"
-            print(f"{name:14s} {spec:18s} split={case.split:d} {us:9.1f} us  {rate}  {same}", flush=True)
-            rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=case.split, us=us, module=L.MODULE,
-                             cache_dtype=a.cache_dtype, maxnreg=int(cap[0]) if cap else None))
+        ref = {}  # (tile, seg) -> the first output: the first module's first config of them
+        for module in a.module:
+            L.MODULE = module
+            tag = module.rsplit(".", 1)[-1] if len(a.module) > 1 else ""
+            for spec in a.configs:
+                cfg = dataclasses.replace(parse(spec, case.decode), route_mixed=a.route)
+                timed = rig.timed(cfg)
+                cap = [c for c in spec.split(",")[5:6] if c != "0"]  # a sixth field: the kernel's register cap
+                if cap:
+                    for rep in timed.reps:
+                        rep[:] = [(dataclasses.replace(s, maxnreg=int(cap[0]))
+                                   if s.kernel == "paged_attention_kernel" else s, a) for s, a in rep]
+                bench.compile([s for s, _ in timed.reps[0]])
+                if not all(bench.fits(s) for s, _ in timed.reps[0]):
+                    print(f"{name:14s} {tag} {spec:18s} needs more shared memory than a block has", flush=True)
+                    continue
+                us, out = bench.time_us(timed), rig.output()
+                key = (cfg.tile, cfg.seg)
+                same = "first" if key not in ref else ("same bits" if out == ref[key] else "BITS DIFFER")
+                ref.setdefault(key, out)
+                if case.decode or name.startswith("mixed"):
+                    rate = f"{rig.kv_bytes / us / 1e6:6.2f} TB/s K/V"
+                else:
+                    n = case.lens[0]
+                    rate = f"{4 * n * n * D * H / 2 / us / 1e6:6.1f} TFLOP/s"
+                print(f"{name:14s} {tag} {spec:18s} split={case.split:d} {us:9.1f} us  {rate}  {same}", flush=True)
+                rows.append(dict(case=name, config=dataclasses.asdict(cfg), split=case.split, us=us, module=L.MODULE,
+                                 cache_dtype=a.cache_dtype, maxnreg=int(cap[0]) if cap else None))
         bench.free_all()
     if a.json:
         with open(a.json, "w") as f:
