@@ -231,10 +231,10 @@ def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[A
     uncapped or under a 168-register cap; each schedule the kernel would see once."""
     bq0 = k_attn.attention_block_q(shape.h, shape.hkv, replace(default, block_q=1), decode=True)
     grid = [replace(default, block_q=bq, num_warps=w, num_stages=s)
-            for bq in (bq0, 2 * bq0) for w in (2, 4) for s in (2, 3, 4)]
-    if default.tile // 2 >= 16:
+            for bq in (bq0, 2 * bq0) for w in (1, 2, 4) for s in (2, 3, 4)]
+    if default.tile_of_decode // 2 >= 16:
         grid += [replace(default, block_q=bq0, num_warps=w, num_stages=s, key_halves=2, maxnreg=r)
-                 for w in (2, 4) for s in (2, 3, 4) for r in (None, 168)]
+                 for w in (1, 2, 4) for s in (2, 3, 4) for r in (None, 168)]
     return _distinct(shape, [default] + grid, decode=True)
 
 
@@ -242,10 +242,10 @@ def class_candidates(shape: AttentionShape, default: AttentionConfig, cls: str) 
     """A split or one-sequence decode class: the default first (its knobs unset: the decode
     ones), then warps x stages x register cap x key halves, each schedule once (block_q: the
     default's)."""
-    halves = (None, 2) if default.tile // 2 >= 16 else (None,)
+    halves = (None, 2) if default.tile_of_decode // 2 >= 16 else (None,)
     grid = [replace(default, **{f"{cls}_num_warps": w, f"{cls}_num_stages": s, f"{cls}_maxnreg": r,
                                 f"{cls}_key_halves": kh})
-            for w in (2, 4) for s in (2, 3, 4) for r in (None, 168, 128) for kh in halves]
+            for w in (1, 2, 4) for s in (2, 3, 4) for r in (None, 168, 128) for kh in halves]
     seen, out = set(), []
     for c in [default] + grid:
         n, split = 1 if cls == "one" else 2, cls == "split"
@@ -332,7 +332,8 @@ class AttentionTuner:
         n = sum(len(c) for _, _, c in first + second(default)) + 2 * (mixed is not None)
         self.progress(f"paged_attention [{sh.h}, {sh.hkv}, {sh.d}]{f' ({cache} cache)' if cache else ''}: "
                       f"{n} schedules over {', '.join(c.name for c in decode + [prefill] + [mixed] if c)} "
-                      f"(tile {default.tile}, seg {default.seg})")
+                      f"(tile {default.tile}, seg {default.seg}"
+                      + (f", decode tile {default.decode_tile})" if default.decode_tile else ")"))
         won = self.bench.best(trials(first))
         group = lambda phase: (sh.h, sh.hkv, sh.d, cache, phase)  # noqa: E731
         base = won[group("decode")].cand if "decode" in by_class else default
@@ -358,12 +359,15 @@ class AttentionTuner:
             # rows beside a prompt chunk) and the prompt alone (which pays the routed decode launch
             # for nothing). No bits check: routing moves the decode rows to the decode kernel, whose
             # bits differ from the prefill kernel's over an e4m3 cache (and are a decode step's).
+            # A decode_tile of its own needs routing (paged_attention_launch checks it): routed alone.
+            ways = ((False, True) if tuned.tile_of_decode == tuned.tile else (True,))
             rounds = [Trial(group("mixed"), c, lambda c=c: [replace(t, output=None) for t in timed(c, [mixed, prefill])],
-                            baseline=i == 0) for i, c in enumerate((tuned, replace(tuned, route_mixed=True)))]
+                            baseline=i == 0) for i, c in enumerate(replace(tuned, route_mixed=r) for r in ways)]
             w = self.bench.best(rounds)[group("mixed")]
             if w.cand.route_mixed:
                 entry["route_mixed"] = True
             entry["mixed_us"] = round(w.us, 2)
             self.progress(f"  mixed ({mixed.name} + {prefill.name}): route_mixed {w.cand.route_mixed}: "
-                          f"{w.us:.1f} us (unrouted {w.baseline_us:.1f} us)")
+                          f"{w.us:.1f} us" + (f" (unrouted {w.baseline_us:.1f} us)" if len(ways) > 1
+                                               else " (a decode_tile of its own: routed)"))
         return entry

@@ -79,6 +79,16 @@ class AttentionConfig:
     block_q: int = 4
     tile: int = 64        # keys per online-softmax step; tiles start at multiples of `tile`
     seg: int = 512        # keys per split-KV segment (a multiple of tile); segments fold in order
+    # The decode variant's tile (every decode class, and a mixed bucket's routed decode launch);
+    # None: `tile`. A reduction knob like tile, so never the tuner's. It may differ from `tile`
+    # only where the decode kernel's bits are already its own: over an e4m3 cache, whose 16-row
+    # decode programs (mma.sync) round the f16 dots differently from the 64-row prefill ones
+    # (wgmma; GPU_NOTES), and with route_mixed, so that a step's decode rows take the decode
+    # kernel in every bucket. Over a bf16 cache both kernels give the same bits, so it stays.
+    # Configs.attention sets 32 for an e4m3 cache (H200, bench/attn_sweep.py, 512 sequences x
+    # 1,500 keys: 474 us with 1-warp 32-key programs against 552 for the 64-key 2-warp default;
+    # a 32-key prefill lost, 197 us against 139, so prefill keeps `tile`).
+    decode_tile: int | None = None
     num_warps: int = 2
     num_stages: int = 2
     maxnreg: int | None = None  # a register cap for the decode buckets read whole (see below)
@@ -121,6 +131,11 @@ class AttentionConfig:
     # bits to the decode steps' own (GPU_NOTES: 16- and 64-row programs round the f16 dots
     # differently). `build.py tune` times it off and on (autotune_attention, round 3).
     route_mixed: bool = False
+
+    @property
+    def tile_of_decode(self) -> int:
+        """The keys per step of the decode variant (decode_tile, else tile)."""
+        return self.decode_tile or self.tile
 
 
 # AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these
@@ -220,6 +235,11 @@ class Configs:
             # at most 64 segments; fixed per bundle, so every bucket reduces the same way.
             seg = 1 << max(0, (-(-max_model_len // 64) - 1).bit_length())
             default = replace(default, seg=min(max(seg, default.tile), 512))
+        if attention_cache_key(cache_dtype) == "float8_e4m3fn":
+            # see decode_tile; 1-warp programs and routed mixed buckets go with it (the
+            # schedule knobs a tuned entry overrides: route_mixed must stay on, see the check in
+            # paged_attention_launch)
+            default = replace(default, decode_tile=32, num_warps=1, route_mixed=True)
         return self._get("paged_attention", (h, hkv, d, attention_cache_key(cache_dtype), max_model_len), default)
 
     def row(self, op: str, width: int) -> RowConfig:

@@ -81,21 +81,27 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
     routes_mixed: two launches of the one kernel, the decode variant over the sequences of one
     query (grid: every sequence slot; the knobs of the decode buckets read whole) and the
     prefill variant over the others, each returning at once for the other's sequences."""
+    # Mixed buckets are never split (lower.split_kv), so routing gives every decode row the decode kernel.
+    check(decode or config.tile_of_decode == config.tile or config.route_mixed,
+          "paged_attention: a decode_tile of its own needs route_mixed (a mixed bucket's decode rows must "
+          "take the decode kernel, as in a decode step)")
     if routes_mixed(config, split, decode):
         kw = dict(split=False, max_model_len=max_model_len, dtype=dtype, out_dtype=out_dtype,
                   config=replace(config, route_mixed=False), cache_dtype=cache_dtype)
         one = paged_attention_specs(num_seqs, h, hkv, d, bs, num_seqs, decode=True, **kw)[0]
         one = replace(one, constexprs={**one.constexprs, "ROUTE": True}, grid=(max(1, num_seqs), hkv, 1))
-        rest = paged_attention_specs(t, h, hkv, d, bs, num_seqs, **kw)[0]
+        rest = paged_attention_specs(t, h, hkv, d, bs, num_seqs, **{**kw, "config": replace(config, decode_tile=None,
+                                                                                         route_mixed=False)})[0]
         return [one, replace(rest, constexprs={**rest.constexprs, "ROUTE": True})]
-    check(config.seg % config.tile == 0, "paged_attention: seg must be a multiple of tile")
-    check(config.tile >= 16 and config.tile == next_pow2(config.tile),
-          "paged_attention: tile must be a power of 2 >= 16")
+    for name, tile in (("tile", config.tile), ("decode_tile", config.tile_of_decode)):
+        check(config.seg % tile == 0, f"paged_attention: seg must be a multiple of {name}")
+        check(tile >= 16 and tile == next_pow2(tile), f"paged_attention: {name} must be a power of 2 >= 16")
     check(not decode or t == num_seqs, f"paged_attention: a decode batch has one query per sequence "
           f"({t} queries, {num_seqs} sequences)")
+    tile = config.tile_of_decode if decode else config.tile
     halves = decode_halves(config, num_seqs, split) if decode else 1
-    check(halves in (1, 2) and config.tile // halves >= 16,
-          f"paged_attention: key_halves {halves} of a {config.tile}-key tile (1 or 2 halves of >= 16 keys)")
+    check(halves in (1, 2) and tile // halves >= 16,
+          f"paged_attention: key_halves {halves} of a {tile}-key tile (1 or 2 halves of >= 16 keys)")
     bq = attention_block_q(h, hkv, config, decode)
     fused = merges_in_kernel(split, decode, fuse_merge)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
@@ -111,7 +117,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
                        **i32("stride_ot", "stride_oh"), ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", cnt_ptr="*i32",
                        qk_scale="fp32", window="i32"),
         constexprs=dict(H=h, HKV=hkv, D=d, BLOCK_D=next_pow2(d), BS=bs, G_PAD=next_pow2(h // hkv), BLOCK_Q=bq,
-                        TILE=config.tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
+                        TILE=tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
                         INTERPRET=False, MERGE=fused, **({"HALVES": halves} if halves > 1 else {})),
         grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
         num_warps=warps, num_stages=stages, maxnreg=maxnreg,

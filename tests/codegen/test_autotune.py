@@ -461,7 +461,7 @@ def test_the_attention_rig_times_the_kernels_a_bundle_runs(kv):
     bench = FakeBench(lambda t: 1.0)
     (shape,) = attention_shapes(graph, 16, 512)
     assert shape.cache_dtype == ("float8_e4m3fn" if kv else "bfloat16")
-    default = DEFAULT.attention(shape.h, shape.hkv, shape.d, 512)
+    default = DEFAULT.attention(shape.h, shape.hkv, shape.d, 512, shape.cache_dtype)  # the cache's own (decode tile)
     for case, bucket in ((decode[0], Bucket(8, 8, 8, True)), (decode[1], Bucket(1, 1, 1, True)),
                          (prefill, Bucket(256, 8, 8, False))):
         rig = AttentionRig(bench, shape, case)

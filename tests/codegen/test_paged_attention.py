@@ -149,6 +149,42 @@ def test_decode_in_key_halves_matches_reference(rng, seg, cache_dtype):
         run(q, cache, bt, sl, qsl, config=dataclasses.replace(halves, tile=16), decode=True)
 
 
+@pytest.mark.parametrize("cache_dtype", ["bf16", "fp8"])
+def test_a_decode_tile_of_its_own_serves_every_decode_row(rng, cache_dtype):
+    """AttentionConfig.decode_tile (Configs.attention sets 32 over an e4m3 cache): decode steps,
+    split or not, one sequence or several, and a routed mixed batch's decode rows all take the
+    decode tile and agree bit for bit; the prompt rows keep the prefill tile's bits; a mixed batch
+    that would run a decode row in the prefill variant is refused."""
+    h, hkv, d = 8, 2, 32
+    cache = rand(rng, (NB, 2, BS, hkv, d), FP8, scale=4.0) if cache_dtype == "fp8" else None
+    q, cache, bt, sl, qsl = make_batch(rng, [(45, 23), (70, 1), (9, 9), (33, 1)], h, hkv, d, cache=cache)
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5)
+    cfg = dataclasses.replace(ROUTED, tile=32, seg=64, decode_tile=16)
+    tiles = [s.constexprs["TILE"] for s in paged_attention_specs(len(q), h, hkv, d, BS, 4, split=False,
+                                                                    max_model_len=MB * BS, config=cfg)]
+    assert tiles == [16, 32]  # the routed decode launch, the prompt rows' launch
+    mixed = run(q, cache, bt, sl, qsl, out=np.full(q.shape, np.nan, np.float32), config=cfg)
+    assert_close(mixed, ref, what="a mixed batch with a decode tile of its own")
+    prompt_rows = np.repeat([True, False, True, False], np.diff(qsl))
+    plain = run(q, cache, bt, sl, qsl, config=dataclasses.replace(cfg, decode_tile=None))
+    assert same_bits(mixed[prompt_rows], plain[prompt_rows]), "the decode tile changed a prompt row"
+    rows = [int(qsl[1]), int(qsl[3])]  # the two sequences of one query
+    one = lambda x: np.ascontiguousarray(x)  # noqa: E731
+    for split in (False, True):
+        dec = run(one(q[rows]), cache, bt[[1, 3]], sl[[1, 3]], np.arange(3, dtype=np.int32), config=cfg,
+                  decode=True, split=split)
+        assert same_bits(dec, mixed[rows]), f"a decode step (split={split}) differs from the routed rows"
+        solo = run(one(q[rows[0]:rows[0] + 1]), cache, bt[1:2], sl[1:2], np.array([0, 1], np.int32), config=cfg,
+                   decode=True, split=split)
+        assert same_bits(solo[0], mixed[rows[0]]), f"one sequence (split={split}) differs from the routed row"
+    with pytest.raises(ValueError, match="route_mixed"):
+        run(q, cache, bt, sl, qsl, config=dataclasses.replace(cfg, route_mixed=False))
+    for bad, what in ((8, "power of 2"), (128, "multiple of decode_tile")):
+        with pytest.raises(ValueError, match=what):
+            run(one(q[rows]), cache, bt[[1, 3]], sl[[1, 3]], np.arange(3, dtype=np.int32),
+                config=dataclasses.replace(cfg, decode_tile=bad), decode=True)
+
+
 def test_rows_per_program_do_not_change_bits(rng):
     """Rows never mix (the row sums are P @ ones on the tensor core), so how many query
     positions a program takes is a schedule knob: prefill blocks of 4, 8 and 16 positions

@@ -247,13 +247,17 @@ def test_an_e4m3_cache_has_attention_schedules_of_its_own(tmp_path):
     assert (bf16.block_q, bf16.num_warps, bf16.num_stages) == (8, 4, 3) and f16 == bf16
     assert configs.attention(32, 8, 128, 4096) == bf16
     assert (e4m3.block_q, e4m3.num_warps, e4m3.num_stages) == (4, 2, 2)
-    assert (e4m3.tile, e4m3.seg) == (bf16.tile, bf16.seg)  # the reduction knobs never depend on it
+    assert (e4m3.tile, e4m3.seg) == (bf16.tile, bf16.seg)  # the prefill's reduction knobs never depend on it
+    # the decode variant's tile does (configs.AttentionConfig.decode_tile): an e4m3 cache's decode bits are its own
+    assert (e4m3.tile_of_decode, bf16.tile_of_decode, bf16.decode_tile) == (32, bf16.tile, None)
     # re-tuning one cache's entry leaves the other's
     back.merge(Schedules("sm_90", {"paged_attention": [{**fp8, "num_stages": 3}]}))
     assert len(back.entries["paged_attention"]) == 2
     assert Configs(lookup=back.lookup).attention(32, 8, 128, 4096, "float8_e4m3fn").num_stages == 3
     only_bf16 = Configs(lookup=Schedules("sm_90", {"paged_attention": [dict(ATTN)]}).lookup)
-    assert only_bf16.attention(32, 8, 128, 4096, "float8_e4m3fn") == DEFAULT.attention(32, 8, 128, 4096)
+    fallback = only_bf16.attention(32, 8, 128, 4096, "float8_e4m3fn")
+    assert fallback == DEFAULT.attention(32, 8, 128, 4096, "float8_e4m3fn") != DEFAULT.attention(32, 8, 128, 4096)
+    assert fallback.route_mixed and fallback.num_warps == 1  # the e4m3 defaults, not the bf16 cache's
     assert only_bf16.fallbacks == [("paged_attention", (32, 8, 128, "float8_e4m3fn", 4096))]
 
 

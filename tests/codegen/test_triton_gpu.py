@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kiln.codegen.triton.configs import AttentionConfig, GemmReduction, GemmTile
+from kiln.codegen.triton.configs import DEFAULT, AttentionConfig, GemmReduction, GemmTile
 from kiln.graph import ops
 from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, same_bits
 
@@ -356,6 +356,38 @@ def test_routed_mixed_batch_gives_its_decode_row_the_decode_kernels_bits_on_gpu(
     rest = np.arange(len(q)) != one
     assert same_bits(routed[rest], full[rest]), "routing changed the other sequences' rows"
     assert_close(routed, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
+
+
+def test_e4m3_decode_tile_gives_every_decode_row_one_set_of_bits_on_gpu():
+    """An e4m3 cache's default schedule (Configs.attention: 32-key decode tiles, 1-warp programs,
+    routed mixed buckets): a token's decode output has the same bits in a routed mixed batch, one
+    sequence or five, split or not, under each size class's knobs (warps, stages, a register cap,
+    key halves), and stays close to the reference."""
+    rng = np.random.default_rng(5)
+    h, hkv, d, bs, nb, mb = 32, 8, 128, 16, 256, 48
+    cache = rand(rng, (nb, 2, bs, hkv, d), FP8, scale=8.0)
+    perm = rng.permutation(nb)
+    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
+    seqs = [(90, 17), (700, 1), (400, 300)]
+    sl = np.array([L for L, _ in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
+    q = rand(rng, (int(qsl[-1]), h, d))
+    cfg = DEFAULT.attention(h, hkv, d, mb * bs, "float8_e4m3fn")
+    assert (cfg.tile_of_decode, cfg.tile, cfg.num_warps, cfg.route_mixed) == (32, 64, 1, True)
+    mixed = attention(q, cache, bt, sl, qsl, False, cfg)
+    assert_close(mixed, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
+    row = int(qsl[1])
+    want = mixed[row]
+    knobs = [cfg, dataclasses.replace(cfg, num_warps=2, num_stages=3, one_num_warps=4, split_num_warps=2,
+                                      split_maxnreg=168),
+             dataclasses.replace(cfg, key_halves=2, one_key_halves=2, split_key_halves=2, maxnreg=168)]
+    for k in knobs:
+        for n_seqs, split in ((1, True), (1, False), (5, True), (5, False)):
+            qs = np.ascontiguousarray(np.repeat(q[row:row + 1], n_seqs, 0))
+            dec = attention(qs, cache, np.repeat(bt[1:2], n_seqs, 0), np.repeat(sl[1:2], n_seqs),
+                            np.arange(n_seqs + 1, dtype=np.int32), split, k, True)
+            assert all(same_bits(dec[i], want) for i in range(n_seqs)), \
+                f"{n_seqs} sequences, split={split}, {k.num_warps} warps, halves {k.key_halves}: other bits"
 
 
 @pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
