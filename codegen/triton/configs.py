@@ -70,7 +70,7 @@ def with_tma(tile: GemmTile, arch: str) -> GemmTile:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Per model (H, Hkv, D). The reduction knobs are tile and seg; the rest only groups rows
+    """Per model (H, Hkv, D). The reduction knobs are tile, decode_tile and seg; the rest only groups rows
     into programs (paged_attention.py: rows never mix), so decode and prefill buckets each
     take their own."""
     # decode buckets: query positions per program (rows = block_q * next_pow2(H // Hkv), >= 16)

@@ -7,8 +7,9 @@ list are in paged_attention_launch.py. Shapes:
 
 Invariance (a token's output must not depend on how queries are grouped): every
 key position k belongs to tile k // TILE and segment k // SEG, fixed by position
-alone (TILE and SEG are the reduction knobs, one per model). For each query row the
-kernel
+alone (TILE and SEG are the reduction knobs, one per model; the decode variant may take a
+TILE of its own where its bits are already its own, over an e4m3 cache: AttentionConfig.decode_tile).
+For each query row the kernel
   1. runs an online softmax over the tiles of a segment in increasing order,
      starting from the empty state (m=-inf, l=0, acc=0);
   2. folds the segments into a running state in increasing order with `_fold`;
