@@ -225,6 +225,15 @@ class AttentionRig:
 
 
 # -- candidates ---------------------------------------------------------------------------
+def _halves_can_keep_bits(shape: AttentionShape, default: AttentionConfig) -> bool:
+    """Whether a decode tile in key halves can give the whole tile's bits, so that the sweep tries
+    them: halves of at least 16 keys, and of at least 32 over an e4m3 cache. (H200: `build.py tune`
+    refused every 16-key-half candidate of a 32-key e4m3 tile for changing the bits; 32-key halves of
+    a 64-key e4m3 tile, and 16-key halves over a bf16 cache, give the whole tile's.)"""
+    least = 32 if shape.cache_dtype == "float8_e4m3fn" else 16
+    return default.tile_of_decode // 2 >= least
+
+
 def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
     """The default first, then rows per program (the fewest query positions that fill tl.dot's
     16 rows, and twice that) x warps x stages, and the fewest rows x warps x stages in key halves,
@@ -232,7 +241,7 @@ def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[A
     bq0 = k_attn.attention_block_q(shape.h, shape.hkv, replace(default, block_q=1), decode=True)
     grid = [replace(default, block_q=bq, num_warps=w, num_stages=s)
             for bq in (bq0, 2 * bq0) for w in (1, 2, 4) for s in (2, 3, 4)]
-    if default.tile_of_decode // 2 >= 16:
+    if _halves_can_keep_bits(shape, default):
         grid += [replace(default, block_q=bq0, num_warps=w, num_stages=s, key_halves=2, maxnreg=r)
                  for w in (1, 2, 4) for s in (2, 3, 4) for r in (None, 168)]
     return _distinct(shape, [default] + grid, decode=True)
@@ -242,7 +251,7 @@ def class_candidates(shape: AttentionShape, default: AttentionConfig, cls: str) 
     """A split or one-sequence decode class: the default first (its knobs unset: the decode
     ones), then warps x stages x register cap x key halves, each schedule once (block_q: the
     default's)."""
-    halves = (None, 2) if default.tile_of_decode // 2 >= 16 else (None,)
+    halves = (None, 2) if _halves_can_keep_bits(shape, default) else (None,)
     grid = [replace(default, **{f"{cls}_num_warps": w, f"{cls}_num_stages": s, f"{cls}_maxnreg": r,
                                 f"{cls}_key_halves": kh})
             for w in (1, 2, 4) for s in (2, 3, 4) for r in (None, 168, 128) for kh in halves]

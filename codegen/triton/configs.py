@@ -139,7 +139,7 @@ class AttentionConfig:
 
 
 # AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these
-# and nothing else: tile and seg are its reduction knobs)
+# and nothing else: tile, decode_tile and seg are its reduction knobs)
 ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages", "maxnreg", "key_halves")
 ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg", "split_key_halves")
 ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg", "one_key_halves")

@@ -299,6 +299,20 @@ def test_attention_candidates_touch_only_schedule_knobs(h, hkv, d, max_model_len
         assert len(effective) == len(cands)  # no schedule timed twice
 
 
+def test_an_e4m3_cache_sweeps_its_decode_tile_whole():
+    """Over an e4m3 cache the decode tile is 32 keys (Configs.attention), and 16-key halves of it changed
+    the bits on the H200, so no decode or class candidate splits it; a bf16 cache's 64-key tiles do."""
+    e4m3 = AttentionShape(32, 8, 128, 16, 4096, cache_dtype="float8_e4m3fn")
+    default = DEFAULT.attention(32, 8, 128, 4096, "float8_e4m3fn")
+    assert default.tile_of_decode == 32
+    cands = decode_candidates(e4m3, default) + class_candidates(e4m3, default, "split") + \
+        class_candidates(e4m3, default, "one")
+    assert {c.num_warps for c in cands} == {1, 2, 4}
+    assert all(decode_halves(c, n, split) == 1 for c in cands for n, split in ((512, False), (32, True), (1, True)))
+    bf16 = AttentionShape(32, 8, 128, 16, 4096)
+    assert any(c.key_halves == 2 for c in decode_candidates(bf16, DEFAULT.attention(32, 8, 128, 4096)))
+
+
 @pytest.mark.parametrize("cls", ["split", "one"])
 def test_decode_class_candidates_touch_only_their_class_knobs(cls):
     shape = AttentionShape(32, 8, 128, 16, 4096)

@@ -388,7 +388,7 @@ def test_e4m3_decode_tile_gives_every_decode_row_one_set_of_bits_on_gpu():
             dec = attention(qs, cache, np.repeat(bt[1:2], n_seqs, 0), np.repeat(sl[1:2], n_seqs),
                             np.arange(n_seqs + 1, dtype=np.int32), split, k, True)
             assert all(same_bits(dec[i], want) for i in range(n_seqs)), \
-                f"{n_seqs} sequences, split={split}, {k.num_warps} warps, halves {k.key_halves}: other bits"
+                f"{n_seqs} sequences, split={split}, knobs {knobs.index(k)}: other bits"
 
 
 @pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
