@@ -268,6 +268,21 @@ def attention(q, cache, bt, sl, qsl, split, cfg, decode=False):
     return host(out)
 
 
+def three_seqs(seed: int, seqs: list[tuple[int, int]], cache_dtype):
+    """Llama-8B heads (32 / 8 / 128), 16-token blocks: a random cache of 256 blocks (e4m3 scaled by 8),
+    each of the three sequences (context L, new tokens n) on 48 scattered blocks, and their queries
+    -> (q, cache, block_table, seq_lens, query_start_loc)."""
+    rng = np.random.default_rng(seed)
+    h, hkv, d, bs, nb, mb = 32, 8, 128, 16, 256, 48
+    cache = rand(rng, (nb, 2, bs, hkv, d), cache_dtype, scale=8.0 if cache_dtype == FP8 else 1.0)
+    perm = rng.permutation(nb)
+    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
+    sl = np.array([L for L, _ in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
+    q = rand(rng, (int(qsl[-1]), h, d))
+    return q, cache, bt, sl, qsl
+
+
 FP8_NOT_INVARIANT = pytest.mark.xfail(strict=True, reason=(
     "known gap: over an e4m3 cache (f16 dots) the decode kernel's output differs from the prefill "
     "kernel's in the last f32 places (H200: 'decode (split=False, kernel=True) differs from prefill'); "
@@ -281,15 +296,8 @@ FP8_NOT_INVARIANT = pytest.mark.xfail(strict=True, reason=(
 def test_attention_decode_equals_prefill_on_gpu(cfg, cache_dtype):
     """Every grouping of a token's query gives the same bits; with an e4m3 cache
     (--kv-cache-dtype fp8) not yet (FP8_NOT_INVARIANT)."""
-    rng = np.random.default_rng(1)
-    h, hkv, d, bs, nb, mb, n = 32, 8, 128, 16, 256, 48, 700
-    cache = rand(rng, (nb, 2, bs, hkv, d), cache_dtype, scale=8.0 if cache_dtype == FP8 else 1.0)
-    perm = rng.permutation(nb)
-    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
-    seqs = [(90, 17), (n, n), (400, 1)]
-    sl = np.array([L for L, _ in seqs], np.int32)
-    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
-    q = rand(rng, (int(qsl[-1]), h, d))
+    d, n = 128, 700
+    q, cache, bt, sl, qsl = three_seqs(1, [(90, 17), (n, n), (400, 1)], cache_dtype)
     full = attention(q, cache, bt, sl, qsl, False, cfg)
     assert_close(full, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
     assert same_bits(attention(q, cache, bt, sl, qsl, True, cfg), full), "split-KV changed the bits"
@@ -337,15 +345,8 @@ def test_routed_mixed_batch_gives_its_decode_row_the_decode_kernels_bits_on_gpu(
     """AttentionConfig.route_mixed: in a mixed batch, the sequence of one query gets the decode
     kernel's bits (a decode step's, also over an e4m3 cache, where the prefill kernel's differ:
     FP8_NOT_INVARIANT), every other row the one launch's."""
-    rng = np.random.default_rng(3)
-    h, hkv, d, bs, nb, mb = 32, 8, 128, 16, 256, 48
-    cache = rand(rng, (nb, 2, bs, hkv, d), cache_dtype, scale=8.0 if cache_dtype == FP8 else 1.0)
-    perm = rng.permutation(nb)
-    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
-    seqs = [(90, 17), (400, 1), (700, 300)]
-    sl = np.array([L for L, _ in seqs], np.int32)
-    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
-    q = rand(rng, (int(qsl[-1]), h, d))
+    d = 128
+    q, cache, bt, sl, qsl = three_seqs(3, [(90, 17), (400, 1), (700, 300)], cache_dtype)
     cfg = AttentionConfig()
     full = attention(q, cache, bt, sl, qsl, False, cfg)
     routed = attention(q, cache, bt, sl, qsl, False, dataclasses.replace(cfg, route_mixed=True))
@@ -364,16 +365,9 @@ def test_e4m3_decode_tile_gives_every_decode_row_one_set_of_bits_on_gpu():
     sequence or five, split or not, under each size class's knobs (warps, stages, register caps),
     and stays close to the reference. (Not key halves: 16-key halves of an e4m3 tile changed the
     bits in `build.py tune` on the H200, which therefore never picks them.)"""
-    rng = np.random.default_rng(5)
-    h, hkv, d, bs, nb, mb = 32, 8, 128, 16, 256, 48
-    cache = rand(rng, (nb, 2, bs, hkv, d), FP8, scale=8.0)
-    perm = rng.permutation(nb)
-    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
-    seqs = [(90, 17), (700, 1), (400, 300)]
-    sl = np.array([L for L, _ in seqs], np.int32)
-    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
-    q = rand(rng, (int(qsl[-1]), h, d))
-    cfg = DEFAULT.attention(h, hkv, d, mb * bs, "float8_e4m3fn")
+    h, hkv, d = 32, 8, 128
+    q, cache, bt, sl, qsl = three_seqs(5, [(90, 17), (700, 1), (400, 300)], FP8)
+    cfg = DEFAULT.attention(h, hkv, d, bt.shape[1] * cache.shape[2], "float8_e4m3fn")
     assert (cfg.tile_of_decode, cfg.tile, cfg.num_warps, cfg.route_mixed) == (32, 64, 1, True)
     mixed = attention(q, cache, bt, sl, qsl, False, cfg)
     assert_close(mixed, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
