@@ -350,7 +350,12 @@ def stage2_tiles(m: int, n: int, k: int, red: GemmReduction, arch: str = "sm_90"
     Under split-K, also each of those tiles folded (fold=True) where Configs.gemm_fold's rule
     would not fold it but its output tiles fill every SM once: the split-K of a weight is
     chosen for decode, and a prefill tile of 128 x 256 (which folds through memory,
-    gemm.fold_through_memory) may then beat the partials' second set of programs."""
+    gemm.fold_through_memory) may then beat the partials' second set of programs.
+    Where M has more row blocks than a tile's GROUP_M, also that tile with all of them in one
+    group (a schedule knob: which programs run side by side, not what they sum): each W tile
+    then comes from HBM once while x is re-read from L2, where a group of 8 reads W once per
+    group (2,048 rows of 128: twice). H200, Llama-3.1-8B's four 2,048-row GEMMs: 1-2 % each, the
+    prefill's GPU time -2.4 % (docs/BENCHMARKS.md, 2026-12-04 fourth session)."""
     base = tiles(m)
     if m <= 16:
         return base
@@ -362,6 +367,7 @@ def stage2_tiles(m: int, n: int, k: int, red: GemmReduction, arch: str = "sm_90"
         out += [replace(t, fold=True) for t in out
                 if per >= 2 * (t.block_k or red.block_k) and not DEFAULT.gemm_fold(m, n, k, t, red, arch)
                 and -(-m // t.block_m) * -(-n // t.block_n) >= sms]
+    out += [replace(t, group_m=-(-m // t.block_m)) for t in out if -(-m // t.block_m) > t.group_m]
     return out
 
 
@@ -514,8 +520,10 @@ class GemmTuner:
             sched.entries.setdefault("gemm_tile", []).append(
                 {"m": m, "n": n, "k": k, "block_m": t.block_m, "block_n": t.block_n, "num_warps": t.num_warps,
                  "num_stages": t.num_stages, **({"block_k": t.block_k} if t.block_k else {}),
-                 **({"fold": True} if t.fold else {}), "us": round(w.us, 2)})
+                 **({"fold": True} if t.fold else {}),
+                 **({"group_m": t.group_m} if t.group_m != GemmTile.group_m else {}), "us": round(w.us, 2)})
             self.progress(f"  [{n}, {k}] M={m}: {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
-                          f"{f' block_k {t.block_k}' if t.block_k else ''}{' fold' if t.fold else ''} {w.us:.1f} us")
+                          f"{f' block_k {t.block_k}' if t.block_k else ''}{' fold' if t.fold else ''}"
+                          f"{f' group_m {t.group_m}' if t.group_m != GemmTile.group_m else ''} {w.us:.1f} us")
         self.bench.free_all()
         return sched

@@ -127,23 +127,36 @@ def test_gemm_stage_two_keeps_the_reduction_stage_one_chose():
 
 def test_gemm_stage_two_sweeps_the_k_block_above_decode_and_refuses_other_bits():
     """Above 16 rows stage 2 also times each tile with the other K block (a schedule knob:
-    the same sums), where it cuts every split into whole blocks; a candidate whose output
+    the same sums), where it cuts every split into whole blocks, and each tile with all of
+    M's row blocks in one group where there are more than GROUP_M's 8; a candidate whose output
     differs from the weight's own K block's is refused, and a winner's block_k is written."""
     red = GemmReduction(block_k=128, split_k=1)
+
+    def grouped(m, cands):  # and where M has more row blocks than GROUP_M (8), all of them in one group
+        return cands + [dataclasses.replace(t, group_m=cdiv(m, t.block_m)) for t in cands if cdiv(m, t.block_m) > 8]
+
     assert stage2_tiles(16, 4096, 4096, red) == tiles(16)
-    assert stage2_tiles(2048, 4096, 4096, red) == tiles(2048) + [dataclasses.replace(t, block_k=64)
-                                                                 for t in tiles(2048)]
-    unfolded = tiles(2048) + [dataclasses.replace(t, block_k=64) for t in tiles(2048)]  # 7,168 per split: whole 64s
+    k64 = lambda m: [dataclasses.replace(t, block_k=64) for t in tiles(m)]  # noqa: E731
+    assert stage2_tiles(1024, 4096, 4096, red) == grouped(1024, tiles(1024) + k64(1024))
+    assert {t.group_m for t in stage2_tiles(1024, 4096, 4096, red) if t.block_m == 128} == {8}  # 8 blocks: one group
+    assert stage2_tiles(2048, 4096, 4096, red) == grouped(2048, tiles(2048) + k64(2048))
+    assert GemmTile(128, 256, 8, 3, group_m=16) in stage2_tiles(2048, 4096, 4096, red)  # the row blocks: 16
+    assert GemmTile(64, 128, 4, 3, group_m=32) in stage2_tiles(2048, 4096, 4096, red)
+    unfolded = tiles(2048) + k64(2048)  # 7,168 per split: whole 64s
     down = stage2_tiles(2048, 4096, 14336, GemmReduction(128, 2))
     assert down[:len(unfolded)] == unfolded
     # under split-K, also folded: the tiles the rule leaves unfolded whose output tiles fill the 132 SMs
-    assert down[len(unfolded):] == [dataclasses.replace(t, fold=True) for t in unfolded
-                                    if not DEFAULT.gemm_fold(2048, 4096, 14336, t, GemmReduction(128, 2))
-                                    and cdiv(2048, t.block_m) * cdiv(4096, t.block_n) >= 132]
+    folded = [dataclasses.replace(t, fold=True) for t in unfolded
+              if not DEFAULT.gemm_fold(2048, 4096, 14336, t, GemmReduction(128, 2))
+              and cdiv(2048, t.block_m) * cdiv(4096, t.block_n) >= 132]
+    assert down == grouped(2048, unfolded + folded)
     assert GemmTile(128, 256, 8, 3, fold=True) in down  # the 2,048-row prefill's, folded through memory
+    assert GemmTile(128, 256, 8, 3, fold=True, group_m=16) in down
     assert GemmTile(128, 128, 8, 3, fold=True) not in down  # the rule folds it already (512 tiles)
     assert not any(t.fold for t in stage2_tiles(32, 4096, 14336, GemmReduction(128, 2)))  # <= 128 output tiles
-    assert stage2_tiles(2048, 64, 192, GemmReduction(64, 2)) == tiles(2048)  # 128 per split: no 128-wide block
+    assert not any(t.group_m != 8 for t in stage2_tiles(512, 4096, 14336, GemmReduction(128, 2)))  # <= 8 blocks
+    # 128 per split: no 128-wide block
+    assert stage2_tiles(2048, 64, 192, GemmReduction(64, 2)) == grouped(2048, tiles(2048))
     _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)
     problems = gemm_problems(graph, [Bucket(1, 1, 1, True), Bucket(64, 4, 4, False)])
 
@@ -163,6 +176,26 @@ def test_gemm_stage_two_sweeps_the_k_block_above_decode_and_refuses_other_bits()
     sched = GemmTuner(bench).tune(problems)
     assert all("block_k" not in e for e in sched.entries["gemm_tile"])
     assert bench.mismatches and all(c.block_k == 64 for _, c in bench.mismatches)
+
+
+def test_gemm_stage_two_writes_a_winning_group_m_and_compile_reads_it():
+    """GROUP_M is a stage-2 knob where a bucket has more row blocks than the default group of 8:
+    a tile that wins with all of them in one group is written with its group_m, the other
+    entries without one, and Configs hands the bundle that tile."""
+    _, graph = tiny_graph(hidden_size=256, intermediate_size=512, head_dim=64)
+    problems = [p for p in gemm_problems(graph, make_buckets(4, 2048)) if p.n == 256 and p.k == 256]
+    assert problems and problems[0].ms[-1] == 2048
+
+    def time_fn(timed):  # 128-row tiles win; among them 16 row blocks in one group, where a candidate
+        c = specs_of(timed)[0].constexprs
+        return 10.0 - (c["BLOCK_M"] == 128) * 5 - (c["GROUP_M"] == 16)
+
+    sched = GemmTuner(FakeBench(time_fn)).tune(problems)
+    at = {e["m"]: e for e in sched.entries["gemm_tile"]}
+    assert at[2048]["block_m"] == 128 and at[2048]["group_m"] == 16
+    assert all("group_m" not in e for m, e in at.items() if m < 2048)  # at most 8 row blocks of 128
+    assert Configs(sched.lookup).gemm_tile(2048, 256, 256).group_m == 16
+    assert Configs(sched.lookup).gemm_tile(1024, 256, 256).group_m == 8
 
 
 @pytest.mark.parametrize("objective,split", [("decode", 4), ("prefill", 1), ("balanced", 2)])

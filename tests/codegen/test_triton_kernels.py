@@ -56,7 +56,8 @@ def test_gemm_row_is_invariant_to_batch(rng, split):
     """Row i alone (M=1, decode tile) and inside M=37 (prefill tile): the same bits,
     because both reduce K in the same order with the same split, whatever K block each
     program loads (GemmTile.block_k: the interpreter, like the tensor core, chains k=16
-    steps). f32 output, so a reordered sum cannot hide behind the bf16 rounding."""
+    steps) and however the programs are grouped over the tiles (GemmTile.group_m: M=37 is
+    three 16-row blocks). f32 output, so a reordered sum cannot hide behind the bf16 rounding."""
     m, n, k = 37, 96, 256
     x, w, b = rand(rng, (m, k)), rand(rng, (n, k)), rand(rng, (n,))
     red = GemmReduction(block_k=64, split_k=split)
@@ -69,6 +70,9 @@ def test_gemm_row_is_invariant_to_batch(rng, split):
     for bk in (16, 32, 128):
         assert same_bits(gemm(x, w, b, y(m), tile=replace(PREFILL, block_k=bk), red=red), full), \
             f"block_k {bk} changed the bits"
+    for g in (1, 2, 16):  # GROUP_M only maps programs to tiles; 2 leaves a ragged last group of one
+        assert same_bits(gemm(x, w, b, y(m), tile=replace(DECODE, group_m=g), red=red), full), \
+            f"group_m {g} changed the bits or missed a tile"
     other = gemm(x, w, b, y(m), tile=PREFILL, red=GemmReduction(block_k=64, split_k=3 - split))
     assert not same_bits(other, full), "the test cannot see a change of reduction order"
 
