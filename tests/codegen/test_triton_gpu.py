@@ -59,8 +59,9 @@ TILES = {  # on sm_90: BLOCK_M 16 -> mma.sync; 64 and 128 -> wgmma
 def test_gemm_rows_invariant_across_tiles_and_instructions(split, tma):
     """Every row's bits are the same whatever the tile, the MMA instruction, the batch,
     whether the tiles come in through TMA descriptors or pointer loads (M = 300 is ragged:
-    the TMA unit zero-fills the rows past it, as the masks do), and whether split-K's
-    partials are added by the reduce kernel or inside the program (gemm.py FOLD)."""
+    the TMA unit zero-fills the rows past it, as the masks do), however the programs are
+    grouped over the tiles (GROUP_M), and whether split-K's partials are added by the reduce
+    kernel or inside the program (gemm.py FOLD)."""
     from kiln.codegen.triton.gemm import gemm
 
     rng = np.random.default_rng(0)
@@ -81,6 +82,9 @@ def test_gemm_rows_invariant_across_tiles_and_instructions(split, tma):
                        ("prefill", list(range(m)))):
         got = run(np.array(rows), dataclasses.replace(TILES[name], tma=tma, fold=False))
         assert same_bits(got, full[rows]), f"{name} tile, tma={tma}, M={len(rows)}: rows differ from M=300"
+    for g in (1, 2, 16):  # GROUP_M maps programs to tiles (M = 300: three row blocks; 2 leaves one alone)
+        got = run(np.arange(m), dataclasses.replace(TILES["prefill"], tma=tma, fold=False, group_m=g))
+        assert same_bits(got, full), f"prefill tile, tma={tma}, group_m {g}: rows differ"
     if split > 1:  # the splits added in the program instead of by the reduce kernel
         for name, rows in (("mid", list(range(37))), ("prefill", [299]), ("prefill", list(range(m)))):
             got = run(np.array(rows), dataclasses.replace(TILES[name], tma=tma, fold=True))
