@@ -43,20 +43,32 @@ def work(cfg, in_lens, out_lens, kv_itemsize: int) -> dict:
     return {"matmul_flops": flops, "kv_read_bytes": 2 * Hkv * D * kv_itemsize * L * keys_decode}
 
 
-def floor(cfg, in_lens, out_lens, kv_itemsize: int, matmul_flops_s: float, bandwidth: float) -> dict:
+def floor(cfg, in_lens, out_lens, kv_itemsize: int, matmul_flops_s: float, bandwidth: float,
+          capped_flops_s: float | None = None) -> dict:
     """The workload's floor at the measured rates (FLOP/s; bytes/s, read + write counted, as
-    bench/device.py measures it) -> the JSON's roofline record."""
+    bench/device.py measures it) -> the JSON's roofline record. capped_flops_s: the matmul rate
+    with the board held at its power limit (gpu_matmul_rate(warm_s=...)); the record then also
+    carries the floor at that rate, under "power_capped"."""
     w = work(cfg, in_lens, out_lens, kv_itemsize)
     seconds = w["matmul_flops"] / matmul_flops_s + w["kv_read_bytes"] / bandwidth
-    return {"tok_s": sum(out_lens) / seconds, "floor_s": seconds, **w,
-            "matmul_TFLOPs": matmul_flops_s / 1e12, "copy_bandwidth_GBps": bandwidth / 1e9,
-            "counts": "matmul FLOPs at the measured bf16 matmul rate + decode K/V bytes at the copy "
-                      "bandwidth (bench/floor.py): weight reads, activations and host time left out"}
+    rec = {"tok_s": sum(out_lens) / seconds, "floor_s": seconds, **w,
+           "matmul_TFLOPs": matmul_flops_s / 1e12, "copy_bandwidth_GBps": bandwidth / 1e9,
+           "counts": "matmul FLOPs at the measured bf16 matmul rate + decode K/V bytes at the copy "
+                     "bandwidth (bench/floor.py): weight reads, activations and host time left out"}
+    if capped_flops_s:
+        capped = w["matmul_flops"] / capped_flops_s + w["kv_read_bytes"] / bandwidth
+        rec["power_capped"] = {"tok_s": sum(out_lens) / capped, "floor_s": capped,
+                               "matmul_TFLOPs": capped_flops_s / 1e12}
+    return rec
 
 
-def gpu_matmul_rate(n: int = 8192, iters: int = 20) -> float | None:
+def gpu_matmul_rate(n: int = 8192, iters: int = 20, warm_s: float = 0.0) -> float | None:
     """FLOP/s of a bf16 n x n x n matmul on random data through torch (cuBLAS) under events,
-    or None where torch has no CUDA (torch is a bench-only dependency, never the runtime's)."""
+    or None where torch has no CUDA (torch is a bench-only dependency, never the runtime's).
+    warm_s > 0: matmuls run that long first, untimed, so that the timed ones find the board at
+    its power limit. An H200 at 700 W holds its 1,980 MHz boost for ~0.1 s of tensor-core work,
+    then settles at ~1,550-1,700 MHz (nvidia-smi: "SW power cap"); any workload that keeps the
+    GEMMs busy for seconds, as the offline ones do, runs at that clock."""
     try:
         import torch
     except ImportError:
@@ -67,6 +79,15 @@ def gpu_matmul_rate(n: int = 8192, iters: int = 20) -> float | None:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         c = a @ b
+    if warm_s > 0:
+        import time
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warm_s:
+            for _ in range(10):
+                c = a @ b
+            torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):

@@ -8,7 +8,8 @@ serve`) with token-id prompts, greedy sampling (decode, throughput and random-25
     throughput   --num-requests 1000 of --input-len 1000 and --output-len 1000 at once (output tok/s)
     random-256   256 requests, input and output lengths uniform in [--min-len 100, 1024] (seeded)
                  (both offline workloads: on a GPU with torch beside, the workload's floor as the
-                 roofline: its matmul FLOPs and decode K/V bytes at rates measured in the run, bench/floor.py;
+                 roofline: its matmul FLOPs and decode K/V bytes at rates measured in the run, bench/floor.py,
+                 and under power_capped the same at the matmul rate with the board at its power limit;
                  everywhere the engine steps split into decode-only and prompt-carrying ones, StepLog)
     server       `build.py serve` at each --concurrency 1 8 32 128, max(4, 2C) requests of --input-len 512
                  and --output-len 256 per level: TTFT, TPOT, output tok/s, next to the offline engine on
@@ -30,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -241,7 +242,8 @@ def offline(a, in_lens: list[int], out_lens: list[int], desc: str) -> dict:
         from kiln.bench.device import copy_bandwidth
         from kiln.bench.floor import gpu_matmul_rate
 
-        rates = (gpu_matmul_rate(), copy_bandwidth(a.target))
+        # the matmul rate at the boost clock (the floor's), then held at the power limit (power_capped)
+        rates = (gpu_matmul_rate(), copy_bandwidth(a.target), gpu_matmul_rate(warm_s=1.0))
     rng = np.random.default_rng(a.seed)
     with engine(a) as llm:
         vocab = llm.engine.vocab_size
@@ -330,13 +332,16 @@ def _bundle_stamp(bundle_dir: str | None):
 
 def run_bench(args: argparse.Namespace) -> int:
     from kiln.bench.cli import command_line
-    from kiln.bench.device import device_name
+    from kiln.bench.device import PowerLog, device_name
     from kiln.bench.peer_runner import read_peer_json, run_peers
 
     a = with_defaults(args)
     peers = {**run_peers(a), **read_peer_json(a.peer_json, a.workload)}
     before = _bundle_stamp(a.bundle)
-    res = WORKLOADS[a.workload](a)
+    with PowerLog() if a.target != "cpu" else nullcontext() as power:
+        res = WORKLOADS[a.workload](a)
+    if power is not None and (gpu_power := power.summary()):  # clocks and power over the whole workload
+        res["gpu_power"] = gpu_power
     if a.bundle:  # did the run time the bundle it was given, or one compiled over it (build.py warns)?
         res["bundle"] = {"dir": a.bundle, "reused": before is not None and _bundle_stamp(a.bundle) == before}
     record = {"workload": a.workload, "commit": git_commit(), "gpu": device_name(a.target),
@@ -348,7 +353,9 @@ def run_bench(args: argparse.Namespace) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     line = f"[kiln] {a.workload}: {record['metric']} = {record['value']:.2f}"
     if record["roofline"]:
-        line += f" (roofline {record['roofline']['tok_s']:.1f} at {record['roofline']['copy_bandwidth_GBps']:.0f} GB/s)"
+        line += f" (roofline {record['roofline']['tok_s']:.1f} at {record['roofline']['copy_bandwidth_GBps']:.0f} GB/s"
+        capped = record["roofline"].get("power_capped")
+        line += f"; {capped['tok_s']:.1f} at the power-capped matmul rate)" if capped else ")"
     for name, p in peers.items():
         line += f"; {name}: {p['value']:.2f}"
     print(line, flush=True)

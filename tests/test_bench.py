@@ -4,6 +4,7 @@ made exactly the tokens asked for; the transformers peer on CPU; the plot and th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -158,6 +159,40 @@ def test_floor_work_equals_a_token_by_token_count():
     f = floor(cfg, in_lens, out_lens, 1, 1e12, 2e12)
     assert f["floor_s"] == pytest.approx(flops / 1e12 + kv_bytes / 2e12)
     assert f["tok_s"] == pytest.approx(sum(out_lens) / f["floor_s"])
+    assert "power_capped" not in f
+    capped = floor(cfg, in_lens, out_lens, 1, 1e12, 2e12, capped_flops_s=0.8e12)  # the matmuls at the power limit
+    assert {k: v for k, v in capped.items() if k != "power_capped"} == f
+    assert capped["power_capped"]["floor_s"] == pytest.approx(flops / 0.8e12 + kv_bytes / 2e12)
+    assert capped["power_capped"]["tok_s"] == pytest.approx(sum(out_lens) / capped["power_capped"]["floor_s"])
+
+
+def test_power_log_summarizes_what_nvidia_smi_printed(tmp_path, monkeypatch):
+    """PowerLog runs nvidia-smi from PATH for the workload's span and reads its CSV back; here a
+    stand-in prints lines in the shape the H200's printed during a sustained prefill (2026-12-04):
+    two idle samples, then busy ones, most held by the SW power cap (0x4)."""
+    import time
+
+    from kiln.bench.device import PowerLog, summarize_smi
+
+    lines = ["345, 77.64, 0x0000000000000001", "345 MHz, 77.83 W, 0x0000000000000001",
+             "1590, 686.88, 0x0000000000000004", "1545, 690.36, 0x0000000000000004",
+             "1620, 688.80, 0x0000000000000004", "1965, 584.36, 0x0000000000000000", "[N/A], [N/A], [N/A]"]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncat <<'END'\n" + "\n".join(lines) + "\nEND\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with PowerLog() as log:
+        time.sleep(0.5)
+    got = log.summary()
+    assert got == summarize_smi(lines)
+    assert got["samples"] == 6 and got["busy_samples"] == 4
+    assert got["sm_clock_mhz"] == {"median": 1605.0, "min": 1545.0, "max": 1965.0}
+    assert got["power_w"]["max"] == 690.36 and got["power_capped"] == 0.75
+    assert summarize_smi(lines[:2]) is None  # idle all along
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    with PowerLog() as log:
+        pass
+    assert log.summary() is None  # no nvidia-smi: no record
 
 
 def test_random_256_is_seeded(tmp_path, tiny_ckpt):
