@@ -1,5 +1,5 @@
-"""What the benchmarks measure about the machine itself: its name and its copy bandwidth, and
-the bare GPU time of kiln's batch-1 decode graph.
+"""What the benchmarks measure about the machine itself: its name and its copy bandwidth, the
+bare GPU time of kiln's batch-1 decode graph, and the clock and power a workload ran at (PowerLog).
 
 Copy bandwidth counts read + write, 2 x bytes / time, as nvidia's bandwidthTest does for a
 device-to-device copy. That is how the performance issue's 4.27 TB/s for the H200 reads: its
@@ -9,6 +9,7 @@ TB/s of traffic from a 4.8 TB/s memory.
 """
 from __future__ import annotations
 
+import subprocess
 import time
 
 import numpy as np
@@ -102,3 +103,70 @@ def torch_graph_us(call, reps: int = 20) -> float:
         torch.cuda.synchronize()
         best = min(best, a.elapsed_time(b) * 1e3 / reps)
     return best
+
+
+# nvidia-smi's CSV for PowerLog: the SM clock, the board's power and the active clock-event
+# reasons (a bit mask; 0x4 is "SW power cap": the driver holding the board to its power limit)
+SMI_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+SW_POWER_CAP = 0x4
+
+
+class PowerLog:
+    """nvidia-smi sampling the GPU every `period_ms` while a workload runs (a context manager);
+    summary() says at which SM clock and power the busy samples ran and how many of them the
+    power limit held down. A GPU workload that keeps the tensor cores busy for more than ~0.1 s
+    runs at the power limit, not at the boost clock (H200: 700 W, ~1,550-1,700 MHz against
+    1,980), so a figure taken in a burst and one taken sustained differ by ~10-15 %. Off (no
+    summary) where nvidia-smi is not on PATH."""
+
+    def __init__(self, period_ms: int = 100, busy_w: float = 150.0) -> None:
+        self.period_ms, self.busy_w = period_ms, busy_w
+        self.proc = None
+        self.lines: list[str] = []
+
+    def __enter__(self) -> "PowerLog":
+        import shutil
+
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            self.proc = subprocess.Popen([smi, f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
+                                          "-lms", str(self.period_ms)], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                out, _ = self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, _ = self.proc.communicate()
+            self.lines = out.splitlines()
+
+    def summary(self) -> dict | None:
+        return summarize_smi(self.lines, self.busy_w) if self.proc is not None else None
+
+
+def summarize_smi(lines: list[str], busy_w: float = 150.0) -> dict | None:
+    """PowerLog's samples ("MHz, W, 0xMASK" lines, units or not) -> {samples, busy_samples (above busy_w watts),
+    and over the busy ones: sm_clock_mhz and power_w (median, min, max), power_capped (the share
+    the SW power cap held)}; None without a busy sample."""
+    import statistics
+
+    rows = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            rows.append((float(parts[0].split()[0]), float(parts[1].split()[0]), int(parts[2], 16)))
+        except (IndexError, ValueError):  # "[N/A]" or a torn last line
+            continue
+    busy = [r for r in rows if r[1] > busy_w]
+    if not busy:
+        return None
+
+    def stats(vals):
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return {"samples": len(rows), "busy_samples": len(busy), "sm_clock_mhz": stats([r[0] for r in busy]),
+            "power_w": stats([r[1] for r in busy]),
+            "power_capped": sum(bool(r[2] & SW_POWER_CAP) for r in busy) / len(busy)}
