@@ -114,7 +114,9 @@ SW_POWER_CAP = 0x4
 class PowerLog:
     """nvidia-smi sampling the GPU every `period_ms` while a workload runs (a context manager);
     summary() says at which SM clock and power the busy samples ran and how many of them the
-    power limit held down. A GPU workload that keeps the tensor cores busy for more than ~0.1 s
+    power limit held down. power.draw is a ~1 s average on Ampere and newer (the clock and the
+    event reasons are not), so a workload whose GPU work is shorter than a second, such as five
+    2,048-token prefills (~0.25 s), gets few busy samples. A GPU workload that keeps the tensor cores busy for more than ~0.1 s
     runs at the power limit, not at the boost clock (H200: 700 W, ~1,550-1,700 MHz against
     1,980), so a figure taken in a burst and one taken sustained differ by ~10-15 %. Off (no
     summary) where nvidia-smi is not on PATH."""
