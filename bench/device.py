@@ -114,12 +114,12 @@ SW_POWER_CAP = 0x4
 class PowerLog:
     """nvidia-smi sampling the GPU every `period_ms` while a workload runs (a context manager);
     summary() says at which SM clock and power the busy samples ran and how many of them the
-    power limit held down. power.draw is a ~1 s average on Ampere and newer (the clock and the
-    event reasons are not), so a workload whose GPU work is shorter than a second, such as five
-    2,048-token prefills (~0.25 s), gets few busy samples. A GPU workload that keeps the tensor cores busy for more than ~0.1 s
+    power limit held down. A GPU workload that keeps the tensor cores busy for more than ~0.1 s
     runs at the power limit, not at the boost clock (H200: 700 W, ~1,550-1,700 MHz against
-    1,980), so a figure taken in a burst and one taken sustained differ by ~10-15 %. Off (no
-    summary) where nvidia-smi is not on PATH."""
+    1,980), so a figure taken in a burst and one taken sustained differ by ~10-15 %.
+    power.draw is a ~1 s average on Ampere and newer (the clock and the event reasons are not),
+    so a workload whose GPU work is shorter than a second, such as five 2,048-token prefills
+    (~0.25 s), gets few busy samples. Off (no summary) where nvidia-smi is not on PATH."""
 
     def __init__(self, period_ms: int = 100, busy_w: float = 150.0) -> None:
         self.period_ms, self.busy_w = period_ms, busy_w
@@ -151,9 +151,9 @@ class PowerLog:
 
 
 def summarize_smi(lines: list[str], busy_w: float = 150.0) -> dict | None:
-    """PowerLog's samples ("MHz, W, 0xMASK" lines, units or not) -> {samples, busy_samples (above busy_w watts),
-    and over the busy ones: sm_clock_mhz and power_w (median, min, max), power_capped (the share
-    the SW power cap held)}; None without a busy sample."""
+    """PowerLog's samples ("MHz, W, 0xMASK" lines, units or not) -> {samples, busy_samples
+    (above busy_w watts), and over the busy ones: sm_clock_mhz and power_w (median, min, max),
+    power_capped (the share the SW power cap held)}; None without a busy sample."""
     import statistics
 
     rows = []
