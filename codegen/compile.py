@@ -73,8 +73,11 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
                    progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True,
-                   pdl: bool | None = None, fuse_merge: bool = True, pdl_plain: str = "named") -> Bundle:
-    """pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py),
+                   pdl: bool | None = None, fuse_merge: bool = True, pdl_plain: str = "named",
+                   bar: Callable[[str, int], Any] | None = None) -> Bundle:
+    """bar(desc, total): a tqdm-like bar (.update(n), .close()) moved as buckets are lowered and
+    then as kernels compile (instead of a progress line per bucket).
+    pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py),
     but the GEMMs pdl_launches' rule `pdl_plain` names;
     None: wherever the target has it (sm_90 and later, i.e. every GPU target). fuse_merge:
     split-KV decode merges in the attention kernel (False: a merge launch, to A/B it)."""
@@ -87,11 +90,19 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     regions = Regions()
     regions.need("arena", plan.arena_bytes)
     recorded = {}
-    for i, b in enumerate(buckets):
-        progress(f"lowering bucket {b.name} ({i + 1}/{len(buckets)})")
-        recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
-                                   max_model_len=max_model_len, configs=configs, arch=target,
-                                   batch_invariant=batch_invariant, fuse_merge=fuse_merge)
+    lowering = bar(f"lowering {len(buckets)} buckets", len(buckets)) if bar is not None else None
+    try:
+        for i, b in enumerate(buckets):
+            if lowering is None:
+                progress(f"lowering bucket {b.name} ({i + 1}/{len(buckets)})")
+            recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
+                                       max_model_len=max_model_len, configs=configs, arch=target,
+                                       batch_invariant=batch_invariant, fuse_merge=fuse_merge)
+            if lowering is not None:
+                lowering.update(1)
+    finally:
+        if lowering is not None:
+            lowering.close()
     if pdl is None:
         pdl = target in PDL_TARGETS
     if pdl:  # the sampler's kernels (below) run after the graph, launched plainly
@@ -105,8 +116,15 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     sampler = sampler_specs(int(graph.tensors[graph.outputs[0]].shape[1]))
     for spec in sampler.values():
         specs.setdefault(cache_key(spec, target), spec)
-    progress(f"compiling {len(specs)} kernels for {target}")
-    compiled = dict(zip(specs, compile_specs([(s, target) for s in specs.values()])))
+    compiling = bar(f"compiling {len(specs)} kernels for {target}", len(specs)) if bar is not None else None
+    if compiling is None:
+        progress(f"compiling {len(specs)} kernels for {target}")
+    try:
+        compiled = dict(zip(specs, compile_specs([(s, target) for s in specs.values()],
+                                                 on_done=compiling.update if compiling is not None else None)))
+    finally:
+        if compiling is not None:
+            compiling.close()
     kernels = {k: c.cubin for k, c in compiled.items()}
     kernel_meta = {k: {"name": c.name, "shared": c.shared, "num_warps": c.num_warps, "n_hidden": c.n_hidden,
                        "global_scratch_size": c.global_scratch_size, "pdl": bool(specs[k].constexprs.get("PDL")),
@@ -140,6 +158,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "kernels": kernel_meta, "plans": plans,
         "sampler": sampler_manifest(sampler, lambda role, spec: cache_key(spec, target)),
         "compile_seconds": round(time.perf_counter() - t0, 2),
+        # "op key" of each kernel config no schedules entry named (kiln's defaults ran instead)
+        "default_configs": [f"{op} {key}" for op, key in configs.fallbacks],
     }
     consts = {k: np.ascontiguousarray(v) for k, v in regions.consts.items()}
     return Bundle(manifest, kernels, consts)
@@ -158,7 +178,7 @@ def compile_bundle_cached(graph: Graph, *, cache_tag: str, cache_dir: str | Path
     h = hashlib.sha256()
     h.update(graph.dump().encode())
     h.update(repr(sorted((t.name, t.parts, t.interleave) for t in graph.weights)).encode())
-    h.update(json.dumps({k: v for k, v in kw.items() if k not in ("configs",)}, sort_keys=True, default=repr).encode())
+    h.update(json.dumps({k: v for k, v in kw.items() if k not in ("configs", "bar")}, sort_keys=True, default=repr).encode())
     h.update(f"{cache_tag} triton {triton.__version__}".encode())
     here = Path(__file__).resolve().parent
     for f in sorted(here.rglob("*.py")) + [here.parent / "runtime" / "bundle.py", here.parent / "passes" / "plan_memory.py"]:

@@ -37,8 +37,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from kiln.codegen.triton.launch import KernelSpec, interpreting, kernel_fn
 
@@ -112,10 +113,12 @@ def compile_spec(spec: KernelSpec, arch: str = "sm_90", cache_dir: str | Path | 
 
 
 def compile_specs(jobs: list[tuple[KernelSpec, str]], cache_dir: str | Path | None = None,
-                  workers: int | None = None) -> list[Compiled]:
+                  workers: int | None = None, on_done: Callable[[int], Any] | None = None) -> list[Compiled]:
     """Compile (spec, arch) pairs; cache hits are read back, misses compiled in this
     process or, under the interpreter or with workers > 1, in child processes (as many
-    as `workers`; default: one per CPU when there are many misses)."""
+    as `workers`; default: one per CPU when there are many misses). on_done(n): n more
+    jobs are ready (the cache hits at once, then each kernel as it compiles)."""
+    done_n = on_done if on_done is not None else (lambda n: None)
     for _, arch in jobs:
         if arch not in ARCHS:
             raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHS)})")
@@ -123,14 +126,21 @@ def compile_specs(jobs: list[tuple[KernelSpec, str]], cache_dir: str | Path | No
     keys = [cache_key(spec, arch) for spec, arch in jobs]
     out = [_read_cache(cache, k) for k in keys]
     miss = [i for i, c in enumerate(out) if c is None]
+    if len(jobs) > len(miss):
+        done_n(len(jobs) - len(miss))
     if miss:
         todo = [jobs[i] for i in miss]
         if workers is None:
             workers = min(os.cpu_count() or 1, len(todo) // 4) or 1
         if workers > 1:
-            done = _compile_in_children(todo, workers)
+            done = _compile_in_children(todo, workers, done_n)
+        elif interpreting():
+            done = _compile_in_child(todo, done_n)
         else:
-            done = [_compile_here(s, a) for s, a in todo] if not interpreting() else _compile_in_child(todo)
+            done = []
+            for s, a in todo:
+                done.append(_compile_here(s, a))
+                done_n(1)
         for i, c in zip(miss, done, strict=True):
             _write_cache(cache, keys[i], c)
             out[i] = c
@@ -207,12 +217,14 @@ def _count_ptx_params(ptx: str, name: str) -> int:
     return len(re.findall(r"\.param\s", m.group(1)))
 
 
-def _compile_in_child(jobs: list[tuple[KernelSpec, str]]) -> list[Compiled]:
-    return _compile_in_children(jobs, 1)
+def _compile_in_child(jobs: list[tuple[KernelSpec, str]], on_done: Callable[[int], Any]) -> list[Compiled]:
+    return _compile_in_children(jobs, 1, on_done)
 
 
-def _compile_in_children(jobs: list[tuple[KernelSpec, str]], workers: int) -> list[Compiled]:
-    """Round-robin the jobs over `workers` child compilers running at once."""
+def _compile_in_children(jobs: list[tuple[KernelSpec, str]], workers: int,
+                         on_done: Callable[[int], Any]) -> list[Compiled]:
+    """Round-robin the jobs over `workers` child compilers running at once; each child
+    writes one JSON line per kernel as it finishes it, and on_done(1) is called for each."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shares = [jobs[i::workers] for i in range(workers)]
     procs = []
@@ -222,14 +234,34 @@ def _compile_in_children(jobs: list[tuple[KernelSpec, str]], workers: int) -> li
         p = subprocess.Popen([sys.executable, "-m", "kiln.codegen.triton.aot"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         procs.append((share, p, json.dumps([{"spec": _spec_to_json(s), "arch": a} for s, a in share])))
+    lock = threading.Lock()
+
+    def talk(p: subprocess.Popen, payload: str) -> tuple[list[str], str]:
+        err: list[str] = []
+        drain = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
+        drain.start()
+        try:  # the child reads all of stdin before it writes a line
+            p.stdin.write(payload)
+            p.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: its stderr says why
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            with lock:
+                on_done(1)
+        p.wait()
+        drain.join()
+        return lines, err[0] if err else ""
+
     with ThreadPoolExecutor(len(procs)) as pool:  # feed and drain every child at once
-        talks = list(pool.map(lambda t: t[1].communicate(t[2]), procs))
+        talks = list(pool.map(lambda t: talk(t[1], t[2]), procs))
     results = {}
     for i, ((share, p, _), (out, err)) in enumerate(zip(procs, talks)):
         if p.returncode != 0:
             names = ", ".join(f"{s.kernel}@{a}" for s, a in share)
             raise RuntimeError(f"compiling {names} failed:\n{err[-4000:]}")
-        for j, d in enumerate(json.loads(out)):
+        for j, d in enumerate(map(json.loads, out)):
             results[i + j * workers] = _from_json(d)
     return [results[i] for i in range(len(jobs))]
 
@@ -268,12 +300,12 @@ def _write_cache(cache: Path, key: str, c: Compiled) -> None:
 
 
 def _main() -> None:
-    out = []
+    """A child compiler: a JSON list of jobs on stdin, one JSON line per compiled kernel on stdout."""
     for req in json.loads(sys.stdin.read()):
         s = req["spec"]
         spec = KernelSpec(**dict(s, grid=tuple(s["grid"]), divisible=tuple(s["divisible"])))
-        out.append(_to_json(_compile_here(spec, req["arch"])))
-    sys.stdout.write(json.dumps(out))
+        sys.stdout.write(json.dumps(_to_json(_compile_here(spec, req["arch"]))) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
