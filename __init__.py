@@ -13,17 +13,17 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `from kiln import LLM, SamplingParams` without importing the engine on `import kiln`
+    # `from kiln import LLM, SamplingParams, AsyncLLM` without importing the engine on `import kiln`
     if name in ("LLM", "EngineArgs"):
-        from kiln.runtime import llm
+        from kiln.entrypoints import llm
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from kiln.runtime.sampling_params import SamplingParams
+        from kiln.runtime.sample.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "AsyncLLM":
-        from kiln.runtime.async_llm import AsyncLLM
+        from kiln.entrypoints.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

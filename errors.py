@@ -4,6 +4,10 @@ build.py prints `str(err)` and exits 1; the Python API lets them propagate.
 Everything else (a bug in kiln) is not a KilnError and keeps its traceback.
 """
 
+# What a GPU target needs that `pip install -e .` does not bring (triton, cuda-python): the
+# README's install command, named by every error that finds them missing.
+GPU_INSTALL_HINT = "run `pip install -e '.[gpu]'` in the kiln checkout (README: serving on the H200)"
+
 
 class KilnError(Exception):
     """Base of every error a user can cause and fix."""

@@ -49,7 +49,7 @@ def parse(spec: str, decode: bool) -> AttentionConfig:
 
 
 def main() -> None:
-    from kiln.runtime.cuda_driver import CudaContext
+    from kiln.runtime.worker.cuda_driver import CudaContext
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", action="append", help="decode256[@1500], prefill2048, decode1@512, "

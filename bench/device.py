@@ -44,7 +44,7 @@ def cpu_copy_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
 
 def gpu_copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
     """cuMemcpyDtoDAsync of 1 GiB between two device buffers, timed with events (after two warm-up copies)."""
-    from kiln.runtime.cuda_driver import CudaContext, CudaError
+    from kiln.runtime.worker.cuda_driver import CudaContext, CudaError
 
     ctx = CudaContext()
     try:

@@ -34,7 +34,7 @@ def main() -> None:
     from kiln.models.config import ModelConfig
     from kiln.models.registry import get_graph_builder
     from kiln.passes.pipeline import run_pipeline
-    from kiln.runtime.cuda_driver import CudaContext
+    from kiln.runtime.worker.cuda_driver import CudaContext
     from kiln.schedules import Schedules
 
     ap = argparse.ArgumentParser()

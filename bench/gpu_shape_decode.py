@@ -27,7 +27,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.reference_shapes import SHAPES
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import default_passes, run_pipeline
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from kiln.schedules import Schedules
 
 
@@ -230,7 +230,7 @@ def compile_for(a, res: dict):
 def load_for(a, res: dict, cfg, graph, bundle, rng):
     """The bundle on the GPU with random weights, a --context prompt prefilled and the batch-1
     decode graph captured -> (executor, the sequence's blocks)."""
-    from kiln.runtime.cuda_executor import CudaExecutor
+    from kiln.runtime.worker.cuda_executor import CudaExecutor
 
     shapes = graph.checkpoint_weights()  # the fused graph stacks some of them (q/k/v, gate/up)
     load = random_weights()

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.scheduler_stats import SchedulerStats
+from kiln.runtime.core.scheduler_stats import SchedulerStats
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def main() -> None:
     # What build_engine_process's core would ship per step (the offline LLM pays none of it):
     # the step message pickled in the core, unpickled in the front.
     try:
-        from kiln.runtime.engine_core_client import pack_outputs, unpack_outputs
+        from kiln.runtime.engine.core_client import pack_outputs, unpack_outputs
     except ImportError:  # before the outputs were packed: the list as it is
         pack_outputs = unpack_outputs = lambda x: x  # noqa: E731
     ipc: collections.Counter = collections.Counter()

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from kiln.build import default_model_path, load
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.loader import default_model_path, load
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 
 
 def run_once(lm, prompt: list[int], gen: int) -> tuple[float, float]:

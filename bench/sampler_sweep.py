@@ -3,7 +3,7 @@ of V tokens, for 1, 8 and 512 rows: greedy, temperature alone, top-k 50, top-p 0
 
     python bench/sampler_sweep.py [--vocab 128256] [--baseline MODULE:BLOCKxWARPS ...] [--json OUT]
 
-"this": the step's phases (runtime/sample_phases.py) as GpuSampler launches them.
+"this": the step's phases (runtime/sample/phases.py) as GpuSampler launches them.
 --baseline: a one-launch, one-program-per-row sample_kernel of an earlier kiln (its
 sampling.py copied next to this one under another module name), at that launch config, for an
 A/B in one process. Every candidate's tokens must equal the first one's (`same`). Times: the
@@ -19,8 +19,8 @@ import numpy as np
 
 from kiln.codegen.autotune import Bench, Timed
 from kiln.codegen.triton.sampling import sampling_spec
-from kiln.runtime.cuda_driver import CudaContext
-from kiln.runtime.sample_phases import PHASE_TOKEN, sample_phases, sample_scratch
+from kiln.runtime.worker.cuda_driver import CudaContext
+from kiln.runtime.sample.phases import PHASE_TOKEN, sample_phases, sample_scratch
 
 MODES = {"greedy": (0.0, None, 1.0), "k50p0.9": (0.8, 50, 0.9), "k50": (0.8, 50, 1.0), "p0.9": (0.8, None, 0.9),
          "temp": (0.8, None, 1.0)}  # temperature, top_k (None: off), top_p

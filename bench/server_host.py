@@ -15,8 +15,8 @@ Clients (each in this process, one asyncio loop, C workers, keep-alive connectio
 Per level: output tok/s, TTFT/TPOT medians, and CPU seconds per 1,000 output tokens of the
 client (this process), the API server process and the engine core process.
 
-The no-op executor is bench-only: `serve` below swaps engine_core_client._core_main for a
-wrapper that builds the real engine in the child and then replaces its executor's `execute`
+The no-op executor is bench-only: `serve` below swaps runtime/engine/core_client.py's _core_main
+for a wrapper that builds the real engine in the child and then replaces its executor's `execute`
 (as bench/host_overhead.py does for the offline engine); nothing in kiln's own code paths knows
 about it. The sampled tokens cycle through ordinary vocabulary ids so the detokenizer and the
 JSON carry text as a real model's would.
@@ -62,23 +62,20 @@ def patch_executor(executor, vocab: int, gpu_ms: float) -> None:
     executor.execute = execute
 
 
-def _noop_core_main(gpu_ms: float, args, conn) -> None:
+def _noop_core_main(gpu_ms: float, build, conn) -> None:
     """The engine core process's main with the executor patched after the real engine is built."""
-    from kiln.runtime import engine_core_client, llm
+    from kiln.runtime.engine import core_client
 
-    real_build = llm.build_engine
-
-    def build_engine(a):
-        engine, lm = real_build(a)
+    def build_noop():
+        engine, lm = build()
         patch_executor(lm.executor, engine.vocab_size, gpu_ms)
         return engine, lm
-    llm.build_engine = build_engine
-    engine_core_client._core_main(args, conn)
+    core_client._core_main(build_noop, conn)
 
 
 def serve_main(argv: list[str]) -> int:
     """`server_host.py serve --gpu-ms X [build.py serve flags]`: build.py serve with the no-op model."""
-    from kiln.runtime import engine_core_client
+    from kiln.runtime.engine import core_client
     from kiln.server import cli_args
 
     ap = argparse.ArgumentParser(prog="server_host.py serve")
@@ -89,7 +86,7 @@ def serve_main(argv: list[str]) -> int:
         raise SystemExit("server_host.py serves with the engine core process only")
     # EngineCoreClient looks _core_main up when it starts the child: the child runs the wrapper
     # (pickled by reference to this module) instead.
-    engine_core_client._core_main = functools.partial(_noop_core_main, a.gpu_ms)
+    core_client._core_main = functools.partial(_noop_core_main, a.gpu_ms)
     return cli_args.cmd_serve(a)
 
 
@@ -232,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
-    from kiln.build import load_frontend
+    from kiln.loader import load_frontend
 
     cfg, _ = load_frontend(a.model, tokenizer=False)
     rng = np.random.default_rng(0)

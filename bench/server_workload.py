@@ -239,7 +239,7 @@ async def server_level(url: str, a, conc: int, prompts: list[list[int]]) -> dict
 
 def run_server_workload(a) -> dict:
     from kiln.bench.workloads import engine, sampling
-    from kiln.build import load_frontend
+    from kiln.loader import load_frontend
 
     cfg, _ = load_frontend(a.model, tokenizer=False)
     requests = {c: level_requests(a, c, cfg.vocab_size) for c in a.concurrency}

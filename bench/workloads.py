@@ -122,7 +122,7 @@ def engine(a):
 
 
 class _TokenBar:
-    """A stat logger (runtime/stats.py) that moves a tqdm bar by the tokens sampled each step."""
+    """A stat logger (runtime/engine/stats.py) that moves a tqdm bar by the tokens sampled each step."""
 
     def __init__(self, bar):
         self.bar = bar

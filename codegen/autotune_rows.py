@@ -35,7 +35,7 @@ from kiln.codegen.triton.configs import DEFAULT, Configs, Lookup
 from kiln.codegen.triton.launch import KernelSpec, cdiv, next_pow2
 from kiln.graph import Graph, to_numpy
 from kiln.passes.plan_memory import plan_memory
-from kiln.runtime.bundle import REGION_SHIFT
+from kiln.runtime.worker.bundle import REGION_SHIFT
 from kiln.schedules import Schedules
 
 TUNED_ROWS = (1, 256, 2048)
@@ -87,7 +87,7 @@ def row_buckets(buckets: list[Bucket], rows: tuple[int, ...] = TUNED_ROWS) -> li
 
 class _PlanRig:
     """Device memory for the regions of one bucket's plan that the timed launches touch, one
-    allocation per region as in runtime/cuda_executor.py, pointers relocated from the
+    allocation per region as in runtime/worker/cuda_executor.py, pointers relocated from the
     plan's (region << REGION_SHIFT) + offset. What launches write (arena, workspaces, the KV
     cache) is restored from a pristine copy before each timing, so that what a launch
     writes depends on it alone, not on the launches timed before it in the shared arena."""

@@ -1,5 +1,5 @@
 """Build a GPU bundle: fused graph -> memory plan -> per-bucket launch plans ->
-cubins (compiled on this machine, no GPU needed) -> runtime/bundle.py's format."""
+cubins (compiled on this machine, no GPU needed) -> runtime/worker/bundle.py's format."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +17,7 @@ from kiln.codegen.triton.configs import DEFAULT, Configs
 from kiln.codegen.triton.sampling import sampler_manifest, sampler_specs
 from kiln.graph import Graph
 from kiln.passes.plan_memory import plan_memory
-from kiln.runtime.bundle import Bundle, BundleError
+from kiln.runtime.worker.bundle import Bundle, BundleError
 
 TARGETS = {"sm_90": "sm_90", "sm_121": "sm_121"}
 PDL_TARGETS = ("sm_90", "sm_121")  # griddepcontrol: sm_90 and later
@@ -112,7 +112,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         for spec, _ in launches:
             specs.setdefault(cache_key(spec, target), spec)
     # The sampler's kernels, for the model's vocabulary: the runtime launches them on the
-    # logits rows the plan leaves in the arena (runtime/gpu_sampler.py), by argument name.
+    # logits rows the plan leaves in the arena (runtime/sample/gpu_sampler.py), by argument name.
     sampler = sampler_specs(int(graph.tensors[graph.outputs[0]].shape[1]))
     for spec in sampler.values():
         specs.setdefault(cache_key(spec, target), spec)
@@ -181,7 +181,7 @@ def compile_bundle_cached(graph: Graph, *, cache_tag: str, cache_dir: str | Path
     h.update(json.dumps({k: v for k, v in kw.items() if k not in ("configs", "bar")}, sort_keys=True, default=repr).encode())
     h.update(f"{cache_tag} triton {triton.__version__}".encode())
     here = Path(__file__).resolve().parent
-    for f in sorted(here.rglob("*.py")) + [here.parent / "runtime" / "bundle.py", here.parent / "passes" / "plan_memory.py"]:
+    for f in sorted(here.rglob("*.py")) + [here.parent / "runtime" / "worker" / "bundle.py", here.parent / "passes" / "plan_memory.py"]:
         h.update(f.read_bytes())
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / "bundles"
     path = root / h.hexdigest()[:32]

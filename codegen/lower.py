@@ -31,7 +31,7 @@ from kiln.codegen.triton.launch import Buf, KernelSpec, contiguous_strides, reco
 from kiln.graph import Graph, TensorKind, to_numpy
 from kiln.graph.rope import rope_tables
 from kiln.passes.plan_memory import MemoryPlan
-from kiln.runtime.bundle import REGION_SHIFT  # the bundle format's pointer encoding
+from kiln.runtime.worker.bundle import REGION_SHIFT  # the bundle format's pointer encoding
 
 ALIGN = 256
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "query_start_loc",
@@ -356,7 +356,7 @@ class _Lowerer:
         if k_attn.merges_in_kernel(split, self.bucket.decode, self.fuse_merge):
             # the kernel's last segment program of each (sequence, KV head) merges and zeroes
             # its counter again; every layer and bucket shares the region (launches are ordered
-            # on the stream), which starts zeroed at load (runtime/cuda_executor.py)
+            # on the stream), which starts zeroed at load (runtime/worker/cuda_executor.py)
             counter = self.workspace(MERGE_COUNTER, (self.bucket.seqs, hkv), np.int32)
         k_attn.paged_attention(self.buf(q), self.buf(cache), self.buf(bt), self.buf(sl), self.buf(qsl), out,
                                scale=node.attrs["scale"], sliding_window=node.attrs.get("sliding_window", 0),

@@ -7,7 +7,7 @@ three, so that every tensor equals what transformers loads from the same file an
 graph builder serves safetensors and GGUF checkpoints alike.
 
 The metadata is exposed as plain Python values; it is also where the config
-(gguf_config.py) and the tokenizer (runtime/tokenizer.py) come from.
+(gguf_config.py) and the tokenizer (runtime/text/tokenizer.py) come from.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Qwen3 is this graph plus per-head q/k RMSNorm (models/qwen3.py), so the decoder
 builder takes that as a flag rather than duplicating the layer.
 
-Step inputs (see runtime/input_batch.py for how they are filled):
+Step inputs (see runtime/worker/input_batch.py for how they are filled):
   input_ids, positions, slot_mapping: i32[T]   block_table: i32[S, MB]
   seq_lens: i32[S]   query_start_loc: i32[S1] (S1 = S + 1)   logits_indices: i32[L]
 State: kv_cache.{i}: [NB, 2, block_size, Hkv, D] per layer, in `kv_cache_dtype` (default: the

@@ -75,7 +75,7 @@ async def serve(engine, config: ServerConfig, host: str, port: int, *, load_seco
 def run_server(args, config: ServerConfig, host: str, port: int, *, engine_process: bool = True) -> int:
     """Load the model named by EngineArgs `args`, then serve (blocking). The engine core runs
     in its own process unless engine_process is False (as vLLM: HTTP never starves a step)."""
-    from kiln.runtime.async_llm import AsyncLLM
+    from kiln.entrypoints.async_llm import AsyncLLM
 
     # Warnings and errors (4xx/5xx access lines, engine failures) to stderr; 2xx stay quiet.
     logging.basicConfig(level=logging.WARNING, format="[kiln] %(levelname)s %(name)s: %(message)s")

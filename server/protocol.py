@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kiln.runtime.sampling_params import InvalidSamplingParamsError, SamplingParams
+from kiln.runtime.sample.sampling_params import InvalidSamplingParamsError, SamplingParams
 from kiln.server.errors import bad_request
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 5 (completions) and 20 (chat)

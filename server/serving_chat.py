@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from kiln.errors import ChatTemplateError
-from kiln.runtime.chat_template import render_chat
-from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.text.chat_template import render_chat
+from kiln.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kiln.server.errors import bad_request
 from kiln.server.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
 from kiln.server.protocol import ChatCompletionRequest, parse_chat_request

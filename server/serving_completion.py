@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Optional
 
-from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kiln.server.logprobs_format import TokenText, completion_logprobs, prompt_logprobs_json
 from kiln.server.protocol import CompletionRequest, parse_completion_request
 from kiln.server.serving_engine import OpenAIServingHandler, StreamChunks, usage

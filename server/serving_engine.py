@@ -14,10 +14,10 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from tornado.iostream import StreamClosedError
 
-from kiln.runtime.async_llm import EngineDeadError
-from kiln.runtime.outputs import OutputKind, RequestOutput
-from kiln.runtime.output_collector import RequestOutputCollector
-from kiln.runtime.sampling_params import InvalidSamplingParamsError, SamplingParams
+from kiln.runtime.engine.async_llm import EngineDeadError
+from kiln.runtime.engine.outputs import OutputKind, RequestOutput
+from kiln.runtime.engine.output_collector import RequestOutputCollector
+from kiln.runtime.sample.sampling_params import InvalidSamplingParamsError, SamplingParams
 from kiln.server.base_handler import BaseHandler
 from kiln.server.errors import APIError, bad_request
 from kiln.server.protocol import BaseRequest

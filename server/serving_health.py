@@ -1,7 +1,7 @@
 """GET /health (200 while the engine loop lives, 503 once it has died) and GET /version."""
 from __future__ import annotations
 
-import kiln
+from kiln import __version__
 from kiln.server.base_handler import BaseHandler
 from kiln.server.errors import APIError
 
@@ -17,4 +17,4 @@ class HealthHandler(BaseHandler):
 
 class VersionHandler(BaseHandler):
     def get(self) -> None:
-        self.write_json({"version": kiln.__version__})
+        self.write_json({"version": __version__})

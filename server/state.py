@@ -23,7 +23,7 @@ class ServerConfig:
 
 @dataclass
 class ServerState:
-    engine: Any  # kiln.runtime.async_llm.AsyncLLM
+    engine: Any  # kiln.runtime.engine.async_llm.AsyncLLM
     config: ServerConfig
     metrics: Any  # kiln.server.metrics.PrometheusStatLogger
     created: int = field(default_factory=lambda: int(time.time()))

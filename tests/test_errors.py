@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.build import load
 from kiln.errors import (ConfigError, InvalidModelError, ModelNotFoundError,
                          UnsupportedArchitectureError)
+from kiln.loader import load
 from tests.tiny_models import make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent

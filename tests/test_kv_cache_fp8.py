@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.build import compile_model, load
 from kiln.codegen.compile import compile_bundle
+from kiln.entrypoints.engine_args import EngineArgs
 from kiln.graph import DType
+from kiln.loader import compile_model, load
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
-from kiln.runtime.input_batch import SeqChunk, prepare_step
-from kiln.runtime.llm import EngineArgs
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.hf_fp8_kv import fp8_kv
 from tests.test_smollm2 import PROMPT, REPO
 from tests.tiny_models import BASE, VARIANTS, make_tiny_model

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kiln.graph.layout import part_copies, stack_parts, stacked_row_order
-from kiln.runtime.cuda_executor import CudaExecutor
+from kiln.runtime.worker.cuda_executor import CudaExecutor
 
 
 def test_interleaved_gate_up_rows():

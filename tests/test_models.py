@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.build import load
-from kiln.runtime.generate import greedy_generate
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.loader import load
+from kiln.runtime.worker.generate import greedy_generate
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.tiny_models import VARIANTS, make_tiny_model
 
 PROMPT_LENS = (1, 7, 16, 33, 50)

@@ -8,8 +8,8 @@ import numpy as np
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
-from kiln.runtime.cpu_executor import CpuExecutor
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.tiny_models import BASE
 
 

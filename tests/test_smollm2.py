@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.build import load
-from kiln.runtime.generate import greedy_generate
+from kiln.loader import load
+from kiln.runtime.worker.generate import greedy_generate
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"

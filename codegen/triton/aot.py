@@ -20,7 +20,7 @@ cuLaunchKernel(grid, block=(32 * num_warps, 1, 1), sharedMemBytes=shared) with t
 spec's non-constexpr args in order followed by `n_hidden` pointers (Triton 3.6: global
 and profile scratch). The global scratch is null unless global_scratch_size > 0 (the
 GEMM that builds its TMA descriptors on the device: 128 bytes per descriptor); then it
-is a buffer of global_scratch_size bytes per program of the grid (runtime/cuda_driver.py
+is a buffer of global_scratch_size bytes per program of the grid (runtime/worker/cuda_driver.py
 Kernel.hidden_args). The profile scratch is always null.
 """
 from __future__ import annotations

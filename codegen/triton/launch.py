@@ -287,7 +287,7 @@ def hint_ints(spec: KernelSpec, args: Sequence[Any]) -> KernelSpec:
     address built from it might be odd, and the loads go out 2 bytes at a time instead of
     16 (the paged attention kernel ran at half speed in the bundles, at full speed under
     the JIT). Safe because a plan's integer arguments are fixed when it is recorded
-    (runtime/cuda_executor.py passes them as recorded; only device memory changes)."""
+    (runtime/worker/cuda_executor.py passes them as recorded; only device memory changes)."""
     extra = tuple(n for n, a in zip(spec.signature, args)
                   if spec.signature[n] in ("i32", "i64") and isinstance(a, (int, np.integer))
                   and not isinstance(a, bool) and int(a) % 16 == 0 and n not in spec.divisible)

@@ -3,7 +3,7 @@ scheduled while the kernel before it on the stream is still finishing.
 
 A bundle compiles every plan kernel with PDL=True (codegen/compile.py) and the executor
 launches them with the programmatic-stream-serialization attribute
-(runtime/cuda_executor.py). Then the next kernel's launch and the placing of its programs
+(runtime/worker/cuda_executor.py). Then the next kernel's launch and the placing of its programs
 overlap this one's tail instead of following it. A batch-1 decode step is ~330 kernels back to
 back; on the H200 this took its graph from 4.45 to 4.39 ms (launch latency only: each kernel
 still starts its work after its predecessor ends).

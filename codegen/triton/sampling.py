@@ -1,10 +1,10 @@
-"""Sampling on the GPU: the numpy sampler's steps (runtime/sampler.py, ported from vLLM V1
+"""Sampling on the GPU: the numpy sampler's steps (runtime/sample/sampler.py, ported from vLLM V1
 `vllm/v1/sample/sampler.py`) on f32 logits rows already in device memory.
 
 The row kernels run one program per row and walk the vocabulary in BLOCK_V chunks, so
 any V (152k for Qwen) works with fixed registers; a row is 4V bytes and stays in L2
 between passes. sample_kernel instead splits each row over cdiv(V, BLOCK_V) programs and
-runs in phases, one launch each (runtime/sample_phases.py): one program per row made a
+runs in phases, one launch each (runtime/sample/phases.py): one program per row made a
 128k-token row's top-k/top-p passes one SM's work, 3.3 ms a step on the H200. Rows are
 addressed through `row_idx` (program j works on logits row row_idx[j]), so the sampled
 rows of a step need not be contiguous.
@@ -44,7 +44,7 @@ import triton.language as tl
 from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, launch,
                                         next_pow2, shape_of, strides_of)
-from kiln.runtime.sample_phases import HIST_PASSES, PHASE_TOKEN, sample_phases, sample_scratch
+from kiln.runtime.sample.phases import HIST_PASSES, PHASE_TOKEN, sample_phases, sample_scratch
 
 NEG_INF = tl.constexpr(float("-inf"))
 # Launch config of the bundle's row kernels (processors, logprobs, copy_rows): one program per
@@ -233,7 +233,7 @@ def _unradix(prefix):
     return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
-TOKEN = tl.constexpr(PHASE_TOKEN)  # sample_kernel's last phase (runtime/sample_phases.py)
+TOKEN = tl.constexpr(PHASE_TOKEN)  # sample_kernel's last phase (runtime/sample/phases.py)
 HIST_ROW = tl.constexpr(HIST_PASSES * 256)  # i64 histogram entries per sampled row
 MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40: masses (a token's exp(z - zmax) <= 1) in fixed point
 
@@ -242,7 +242,7 @@ MASS_ONE = tl.constexpr(1099511627776.0)  # 2^40: masses (a token's exp(z - zmax
 def sample_kernel(logits_ptr, row_idx_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr,
                   masked_ptr, val_ptr, idx_ptr, hist_ptr, stride, phase,
                   V: tl.constexpr, BLOCK_V: tl.constexpr, NP_PAD: tl.constexpr, WRITE_MASKED: tl.constexpr):
-    # One launch per phase (runtime/sample_phases.py); grid (B, NP = cdiv(V, BLOCK_V)), the
+    # One launch per phase (runtime/sample/phases.py); grid (B, NP = cdiv(V, BLOCK_V)), the
     # last phase (B, 1). Program (b, j) owns tokens [j BLOCK_V, (j + 1) BLOCK_V) of row b.
     # logits: f32[*, V] processed; temp[b] 0: greedy; top_k[b] V: off; top_p[b] 1: off;
     # seed: i64[B] Philox key of this row this step; out: i32[B].
@@ -473,9 +473,9 @@ def sampler_specs(vocab: int, config: ElementwiseConfig | None = None) -> dict[s
 
 
 def sampler_manifest(specs: dict[str, KernelSpec], key) -> dict:
-    """A bundle manifest's "sampler" entry, what runtime/gpu_sampler.py launches by: role ->
+    """A bundle manifest's "sampler" entry, what runtime/sample/gpu_sampler.py launches by: role ->
     its kernel (key(role, spec)), argument names, and for the sample kernel the programs a row
-    is split over and their padded count (its scratch layout, runtime/sample_phases.py)."""
+    is split over and their padded count (its scratch layout, runtime/sample/phases.py)."""
     return {role: {"kernel": key(role, spec), "args": list(spec.signature),
                    **({"programs": spec.grid[1], "np_pad": spec.constexprs["NP_PAD"]} if role == "sample" else {}),
                    **({"block": spec.constexprs["BLOCK"]} if role == "stage" else {})}

@@ -630,7 +630,7 @@ def test_tune_writes_the_families_asked_for_and_leaves_the_others(buggy, tmp_pat
     import json
 
     from kiln.codegen import autotune
-    from kiln.runtime import cuda_driver
+    from kiln.runtime.worker import cuda_driver
     from kiln.build import main
 
     class Ctx:
@@ -670,7 +670,7 @@ def test_compile_only_compiles_every_candidate_and_needs_no_gpu(tmp_path, monkey
     from kiln.build import main
     from kiln.codegen import autotune
     from kiln.codegen.triton.aot import Compiled
-    from kiln.runtime import cuda_driver
+    from kiln.runtime.worker import cuda_driver
 
     asked = set()
 
@@ -700,7 +700,7 @@ def test_tune_times_attention_and_the_preamble_over_the_cache_dtype_asked_for(tm
 
     from kiln.build import main
     from kiln.codegen import autotune
-    from kiln.runtime import cuda_driver
+    from kiln.runtime.worker import cuda_driver
 
     class Ctx:
         arch = 90

@@ -13,7 +13,7 @@ from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
-from kiln.runtime.bundle import Bundle, BundleError
+from kiln.runtime.worker.bundle import Bundle, BundleError
 from tests.tiny_models import BASE
 
 

@@ -1,4 +1,4 @@
-"""runtime/gpu_sampler.py on this CPU machine: its staging, launches and downloads run
+"""runtime/sample/gpu_sampler.py on this CPU machine: its staging, launches and downloads run
 against a stand-in CUDA context whose "device" memory is host memory and whose
 cuLaunchKernel runs the sampling kernels in the Triton interpreter. What the real
 device adds (streams, cubins) the GPU tests cover (tests/gpu/test_gpu_sampling.py)."""
@@ -13,13 +13,13 @@ import pytest
 from kiln.codegen.triton import sampling as K
 from kiln.codegen.triton.configs import ElementwiseConfig
 from kiln.codegen.triton.launch import Buf, _interpreter_compat, kernel_fn
-from kiln.runtime.cuda_driver import Kernel
-from kiln.runtime.cuda_executor import _resolved
-from kiln.runtime.gpu_sampler import GpuSampler, PromptJob
-from kiln.runtime.input_stager import InputStager
-from kiln.runtime.sampler import Sampler, compute_logprobs, gather_logprobs
-from kiln.runtime.sampling_metadata import SamplingMetadata
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.worker.cuda_driver import Kernel
+from kiln.runtime.worker.cuda_executor import _resolved
+from kiln.runtime.sample.gpu_sampler import GpuSampler, PromptJob
+from kiln.runtime.worker.input_stager import InputStager
+from kiln.runtime.sample.sampler import Sampler, compute_logprobs, gather_logprobs
+from kiln.runtime.sample.metadata import SamplingMetadata
+from kiln.runtime.sample.sampling_params import SamplingParams
 from tests.codegen.helpers import require_interpreter
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -262,7 +262,7 @@ def _on_host_device(llm) -> None:
 def test_async_scheduling_feeds_sampled_ids_on_the_device(tmp_path):
     """Async scheduling through the device path: each step is launched before the one ahead of
     it is read back, its input ids fed from that step's sampled ids by the stage kernel
-    (runtime/input_stager.py); penalised rows (which read their tokens on the host) wait for them.
+    (runtime/worker/input_stager.py); penalised rows (which read their tokens on the host) wait for them.
     Tokens and logprobs equal the synchronous engine's on the same device path."""
     pytest.importorskip("torch")
     from kiln import LLM

@@ -18,8 +18,8 @@ from kiln.models.registry import get_graph_builder
 from kiln.graph.layout import stack_parts
 from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.passes.plan_memory import plan_memory
-from kiln.runtime.cpu_executor import CpuExecutor
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.codegen.helpers import same_bits
 from tests.tiny_models import BASE
 

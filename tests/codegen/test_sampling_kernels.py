@@ -1,5 +1,5 @@
 """The GPU sampling kernels under the Triton interpreter against the numpy sampler
-(runtime/sampler.py, sampling_ops.py), on fresh random inputs. V is small and the
+(runtime/sample/sampler.py, ops.py), on fresh random inputs. V is small and the
 blocks smaller still, so every loop over the vocabulary runs several chunks."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 
 from kiln.codegen.triton import sampling as K
 from kiln.codegen.triton.configs import ElementwiseConfig
-from kiln.runtime import sampling_ops as ops
-from kiln.runtime.sampler import Sampler, compute_logprobs, gather_logprobs
-from kiln.runtime.sampler_inputs import SamplerInputs, row_seeds
-from kiln.runtime.sampling_metadata import SamplingMetadata
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sample import ops
+from kiln.runtime.sample.sampler import Sampler, compute_logprobs, gather_logprobs
+from kiln.runtime.sample.sampler_inputs import SamplerInputs, row_seeds
+from kiln.runtime.sample.metadata import SamplingMetadata
+from kiln.runtime.sample.sampling_params import SamplingParams
 from tests.codegen.helpers import require_interpreter
 
 pytestmark = pytest.mark.usefixtures("interpreter")

@@ -160,7 +160,7 @@ def test_an_unchanged_compile_comes_from_the_bundle_cache(tmp_path):
 
 def test_a_broken_schedules_file_is_one_clear_error(tmp_path, monkeypatch):
     import kiln.schedules as sch
-    from kiln.build import compile_model
+    from kiln.loader import compile_model
     from kiln.errors import ConfigError
 
     cfg, graph = _tiny_graph()

@@ -6,7 +6,7 @@ import pytest
 
 def _gpu_arch() -> int | None:
     try:
-        from kiln.runtime.cuda_driver import CudaContext
+        from kiln.runtime.worker.cuda_driver import CudaContext
 
         return CudaContext().arch
     except Exception:  # no driver, no device, no cuda-python: not a GPU machine

@@ -10,14 +10,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kiln.build import compile_model
 from kiln.graph import DType
+from kiln.loader import compile_model
 from kiln.models.config import ModelConfig
 from kiln.models.reference_shapes import SHAPES
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
-from kiln.runtime.generate import greedy_generate
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.runtime.worker.generate import greedy_generate
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -31,7 +31,7 @@ class _Source:  # what compile_model needs of a ModelSource
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_8b_shape_against_transformers(shape, gpu_target, tmp_path):
-    from kiln.runtime.cuda_executor import CudaExecutor
+    from kiln.runtime.worker.cuda_executor import CudaExecutor
 
     d = dict(SHAPES[shape], max_position_embeddings=8192)  # a short context keeps transformers' RoPE cache small
     if os.environ.get("KILN_8B_LAYERS"):  # a shallower model of the same widths, to separate depth from width

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.input_batch import SeqChunk, prepare_step
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.hf_fp8_kv import fp8_kv
 from tests.tiny_models import make_tiny_model
 

@@ -1,5 +1,5 @@
-"""On the GPU: the sampler runs where the logits are (runtime/gpu_sampler.py), and agrees
-with the numpy sampler (runtime/sampler.py) on the same device logits: greedy tokens,
+"""On the GPU: the sampler runs where the logits are (runtime/sample/gpu_sampler.py), and agrees
+with the numpy sampler (runtime/sample/sampler.py) on the same device logits: greedy tokens,
 processed logits, logprobs and ranks, the kept sets of top-k / top-p / min-p, and the
 draw's distribution; seeded requests draw the same alone and batched. Last, the kernels
 at a 152k vocabulary, timed."""
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime import sampling_ops as ops
-from kiln.runtime.gpu_sampler import GpuSampler, PromptJob
-from kiln.runtime.input_batch import SeqChunk, prepare_step
-from kiln.runtime.sampler import Sampler, compute_logprobs, gather_logprobs
-from kiln.runtime.sampling_metadata import SamplingMetadata
+from kiln.runtime.sample import ops
+from kiln.runtime.sample.gpu_sampler import GpuSampler, PromptJob
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+from kiln.runtime.sample.sampler import Sampler, compute_logprobs, gather_logprobs
+from kiln.runtime.sample.metadata import SamplingMetadata
 from tests.tiny_models import make_tiny_model
 
 torch = pytest.importorskip("torch")
@@ -224,7 +224,7 @@ def test_a_152k_vocabulary_against_numpy_and_timed(gpu_target):
     kept sets, top-20 logprobs against numpy, and the time of a sample() call."""
     from kiln.codegen.triton.aot import compile_specs
     from kiln.codegen.triton.sampling import sampler_manifest, sampler_specs
-    from kiln.runtime.cuda_driver import CudaContext
+    from kiln.runtime.worker.cuda_driver import CudaContext
 
     vocab, B = 151936, 64
     specs = sampler_specs(vocab)

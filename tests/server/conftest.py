@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.runtime.async_llm import AsyncLLM
+from kiln.entrypoints.async_llm import AsyncLLM
 from kiln.server.state import ServerConfig
 from tests.server.live_server import LiveServer
 from tests.server.tiny_chat_model import MODEL_NAME, make_tiny_chat_model, tiny_engine_args

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from kiln.runtime.async_llm import AsyncLLM
+from kiln.entrypoints.async_llm import AsyncLLM
 from kiln.server.api_server import listen
 from kiln.server.app import make_app
 from kiln.server.state import ServerConfig

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.async_llm import AsyncLLM, EngineDeadError
-from kiln.runtime.outputs import OutputKind, RequestOutput
+from kiln.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from kiln.runtime.engine.outputs import OutputKind, RequestOutput
 from kiln.server.state import ServerConfig
 from tests.server.live_server import LiveServer
 from tests.server.tiny_chat_model import MODEL_NAME, tiny_engine_args

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.runtime.async_llm import AsyncLLM
+from kiln.entrypoints.async_llm import AsyncLLM
 from tests.server.conftest import live_server
 from tests.server.test_concurrency import (  # noqa: F401  (collected here, with this module's fixtures)
     expected,

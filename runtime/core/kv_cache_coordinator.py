@@ -1,0 +1,141 @@
+"""One block pool shared by the managers of every KV cache group.
+
+Ported in behaviour from vLLM V1 `vllm/v1/core/kv_cache_coordinator.py`
+(`KVCacheCoordinator`, `KVCacheCoordinatorNoPrefixCache`,
+`UnitaryKVCacheCoordinator`, `get_kv_cache_coordinator`). The coordinator's
+job with several groups is to agree on one prefix-hit length that every group
+can serve (attention blocks and GDN state); that is `HybridKVCacheCoordinator`,
+not written yet.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kiln.runtime.core.block_pool import BlockPool
+from kiln.runtime.core.kv_cache_spec import KVCacheConfig
+from kiln.runtime.core.kv_cache_utils import BlockHash, KVCacheBlock
+from kiln.runtime.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+
+if TYPE_CHECKING:
+    from kiln.runtime.core.request import Request
+
+
+class KVCacheCoordinator:
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
+        self.single_type_managers = tuple(
+            get_manager_for_kv_cache_spec(g.kv_cache_spec, self.block_pool, gid)
+            for gid, g in enumerate(kv_cache_config.kv_cache_groups))
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> int:
+        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+                   for i, m in enumerate(self.single_type_managers))
+
+    def save_new_computed_blocks(self, request_id: str,
+                                 new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        for i, m in enumerate(self.single_type_managers):
+            m.save_new_computed_blocks(request_id, new_computed_blocks[i])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        for m in self.single_type_managers:
+            m.cache_blocks(request, num_computed_tokens)
+
+    def uncache_blocks_after(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.single_type_managers:
+            m.uncache_blocks_after(request_id, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for m in self.single_type_managers:
+            m.free(request_id)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        return [m.get_num_common_prefix_blocks(request_id) for m in self.single_type_managers]
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.single_type_managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    def max_num_tokens_per_request(self) -> int:
+        """The most tokens one request can ever hold, with every usable block its own."""
+        num_usable = self.kv_cache_config.num_blocks - 1
+        return (num_usable // len(self.single_type_managers)) * self.kv_cache_config.block_size
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """-> (per-group hit blocks, number of hit tokens)."""
+        raise NotImplementedError
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: never a hit, blocks never hashed."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in self.single_type_managers), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Exactly one group (every layer full attention, say)."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool) -> None:
+        super().__init__(kv_cache_config, max_model_len, enable_caching)
+        assert len(self.single_type_managers) == 1
+        self.manager = self.single_type_managers[0]
+        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size
+
+    # Direct calls on the one manager: these run per request per step.
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> int:
+        return self.manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[0])
+
+    def save_new_computed_blocks(self, request_id: str,
+                                 new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.manager.save_new_computed_blocks(request_id, new_computed_blocks[0])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        return (self.manager.allocate_new_blocks(request_id, num_tokens),)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.manager.cache_blocks(request, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self.manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        manager = self.single_type_managers[0]
+        hit = type(manager).find_longest_cache_hit(block_hashes, max_cache_hit_length, [0],
+                                                   self.block_pool, self.kv_cache_spec)
+        return hit, len(hit[0]) * self.block_size
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups (full attention + GDN state, say). Not written yet: it
+    must find the longest prefix every group can serve (vLLM iterates the
+    groups' hits down to a common fixed point)."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int, enable_caching: bool) -> None:
+        raise NotImplementedError(
+            "prefix caching over several KV cache groups (hybrid models) is not supported yet; "
+            "disable prefix caching for this model")
+
+
+def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
+                             enable_caching: bool) -> KVCacheCoordinator:
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(kv_cache_config, max_model_len, enable_caching)
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)
+    return HybridKVCacheCoordinator(kv_cache_config, max_model_len, enable_caching)

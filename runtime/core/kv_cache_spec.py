@@ -1,0 +1,109 @@
+"""What one KV cache group stores per block, and the whole cache's layout.
+
+Ported in behaviour from vLLM V1 `vllm/v1/kv_cache_interface.py` (`KVCacheSpec`,
+`FullAttentionSpec`, `KVCacheGroupSpec`, `KVCacheConfig`).
+
+A group is a set of layers that share one block table (all full-attention
+layers of a model, say). Each spec type has a manager in
+`single_type_kv_cache_manager.py`; a new kind of state (`SlidingWindowSpec`,
+`MambaSpec` for Gated-DeltaNet conv + recurrent state) is a new frozen subclass
+here plus a manager registered for it there. Configs are frozen; the block
+count is found at run time (from free device memory) and only then is a
+`KVCacheConfig` built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.runtime.core.kv_cache_utils import cdiv
+
+# Bytes per element of the cache dtypes, named as kiln.graph.dtype.DType names
+# them. Kept here so the scheduler's import stays pure Python (kiln.graph
+# pulls in numpy, ml_dtypes and networkx).
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8e4m3": 1, "u8": 1}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Per-layer cache shape of one group. `block_size` is in tokens."""
+
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block takes in one layer."""
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+        """Bytes one layer needs for one sequence of max_model_len tokens."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """K and V for every token: [2, block_size, num_kv_heads, head_size] per block."""
+
+    num_kv_heads: int = 1
+    head_size: int = 1
+    dtype: str = "bf16"  # a kiln.graph.dtype.DType name (a DType works too: it is a str)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "dtype", str(self.dtype))
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"unsupported KV cache dtype {self.dtype!r}; expected one of {sorted(_ITEMSIZE)}")
+        if self.num_kv_heads <= 0 or self.head_size <= 0:
+            raise ValueError(f"num_kv_heads and head_size must be positive, got "
+                             f"{self.num_kv_heads} and {self.head_size}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * _ITEMSIZE[self.dtype]
+
+    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """The layers (by name) that share one block table, and what they store."""
+
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The whole cache: `num_blocks` blocks (block 0 is the null block), shared
+    by all groups through one block pool. Built at run time."""
+
+    num_blocks: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}")
+        if not self.kv_cache_groups:
+            raise ValueError("a KV cache config needs at least one group")
+
+    @property
+    def block_size(self) -> int:
+        """The block size shared by every group (hybrid groups with different
+        block sizes are not supported yet)."""
+        sizes = {g.kv_cache_spec.block_size for g in self.kv_cache_groups}
+        if len(sizes) != 1:
+            raise NotImplementedError(f"KV cache groups with different block sizes: {sorted(sizes)}")
+        return sizes.pop()
+
+
+def full_attention_config(num_blocks: int, block_size: int, num_kv_heads: int = 1, head_size: int = 1,
+                          dtype: str = "bf16", layer_names: tuple[str, ...] = ()) -> KVCacheConfig:
+    """A one-group config for a model whose layers are all full attention."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=dtype)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=(KVCacheGroupSpec(tuple(layer_names), spec),))

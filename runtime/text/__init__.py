@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers (HF and GGUF), the incremental detokenizer, sandboxed chat templates."""
