@@ -17,30 +17,34 @@ PEERS = ("hf-eager", "hf-compile")
 # (flag, add_argument keywords). Size flags default to None: each workload fills in the
 # performance issue's value (bench/workloads.py DEFAULTS), so tests pass small ones.
 FLAGS: list[tuple[str, dict]] = [
-    ("--workload", dict(required=True, choices=WORKLOADS)),
+    ("--workload", dict(required=True, choices=WORKLOADS, help="the workload to run (required; docs/BENCHMARKS.md "
+                                                              "says what each measures)")),
     ("--model", dict(help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")),
-    ("--target", dict(default="cpu", choices=("cpu", "sm_90", "sm_121"))),
-    ("--bundle", dict(help="GPU bundle directory (compiled there when missing or stale)")),
-    ("--json", dict(metavar="OUT", help="write the result here ({workload, commit, gpu, metric, value, ...})")),
-    ("--num-requests", dict(type=int, help="throughput: 1000; random-256: 256; server: per concurrency "
-                                           "level, default max(4, 2 x concurrency)")),
-    ("--input-len", dict(type=int, help="prompt tokens (throughput 1000, prefill 2048, server 512; "
+    ("--target", dict(default="cpu", choices=("cpu", "sm_90", "sm_121"),
+                      help="cpu (numpy), or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")),
+    ("--bundle", dict(help="GPU bundle directory, compiled there when missing or stale (default: none; compiled "
+                           "or read from the compile cache at every start)")),
+    ("--json", dict(metavar="OUT", help="write the result here ({workload, commit, gpu, metric, value, ...}; "
+                                        "default: print it only)")),
+    ("--num-requests", dict(type=int, help="requests (default: throughput 1000; random-256 256; server, per "
+                                           "concurrency level, max(4, 2 x concurrency))")),
+    ("--input-len", dict(type=int, help="prompt tokens (default: throughput 1000, prefill 2048, server 512; "
                                         "random-256: the upper bound, 1024)")),
-    ("--output-len", dict(type=int, help="output tokens (throughput 1000, server 256; random-256: the upper "
-                                         "bound, 1024)")),
-    ("--min-len", dict(type=int, help="random-256: lower bound of input and output lengths (100)")),
-    ("--concurrency", dict(type=int, nargs="+", help="server: concurrent streams per level (1 8 32 128)")),
-    ("--context", dict(type=int, help="decode: prompt tokens before the timed steps (512)")),
-    ("--steps", dict(type=int, help="decode: timed batch-1 decode steps (128)")),
-    ("--repeats", dict(type=int, help="decode, prefill: timed runs, the median is reported (3)")),
+    ("--output-len", dict(type=int, help="output tokens (default: throughput 1000, server 256; random-256: the "
+                                         "upper bound, 1024)")),
+    ("--min-len", dict(type=int, help="random-256: lower bound of input and output lengths (default: 100)")),
+    ("--concurrency", dict(type=int, nargs="+", help="server: concurrent streams per level (default: 1 8 32 128)")),
+    ("--context", dict(type=int, help="decode: prompt tokens before the timed steps (default: 512)")),
+    ("--steps", dict(type=int, help="decode: timed batch-1 decode steps (default: 128)")),
+    ("--repeats", dict(type=int, help="decode, prefill: timed runs, the median is reported (default: 3)")),
     ("--seed", dict(type=int, default=0, help="seed of the random prompts and lengths")),
     ("--temperature", dict(type=float, default=0.0, help="decode, throughput, random-256: sample at this "
-                                                         "temperature instead of greedily (0)")),
+                                                         "temperature instead of greedily (0: greedy)")),
     ("--top-k", dict(type=int, default=0, help="with --temperature: top-k (0: off)")),
     ("--top-p", dict(type=float, default=1.0, help="with --temperature: top-p (1: off)")),
     ("--max-model-len", dict(type=int, default=4096, help="as `build.py compile` (a bundle is keyed by it)")),
-    ("--max-num-seqs", dict(type=int, default=256)),
-    ("--max-num-batched-tokens", dict(type=int, default=2048)),
+    ("--max-num-seqs", dict(type=int, default=256, help="most sequences in one step")),
+    ("--max-num-batched-tokens", dict(type=int, default=2048, help="token budget of one step")),
     ("--kv-cache-tokens", dict(type=int, help="KV cache size (default: 65536 on CPU, free memory on a GPU)")),
     ("--kv-cache-dtype", dict(default="auto", choices=list(KV_CACHE_DTYPES),
                               help="as `build.py serve` (fp8: e4m3, scale 1.0)")),
