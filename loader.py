@@ -125,8 +125,11 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
     graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
-        executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size))
+        # a hybrid model's state slots: one per sequence the engine may run at once
+        executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
+                               num_state_slots=max_num_seqs + 1)  # slot 0: the null slot
         return LoadedModel(source, graph, executor, tok, block_size)
+
     from kiln.runtime.worker.cuda_executor import CudaExecutor
 
     bundle = compile_model(source, graph, target=target, block_size=block_size,
@@ -148,6 +151,9 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     entry named are listed in the manifest's "default_configs"."""
     import dataclasses
 
+    if source.config.is_hybrid:
+        raise KilnError(f"{source.config.architecture} (Gated DeltaNet layers) runs on the cpu target only for "
+                        f"now: kiln has no {target} kernels for it yet")
     try:
         import triton  # noqa: F401  (codegen's kernels are Triton's)
 

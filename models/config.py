@@ -17,6 +17,14 @@ from kiln.graph.rope import SUPPORTED_ROPE_TYPES
 REQUIRED_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads")
 
+# Qwen3-Next / Qwen3.5 / Qwen3.6 hybrids (../shared/specs/qwen3_5.md section 1): Gated DeltaNet
+# ("linear_attention") layers between gated full-attention layers.
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                        "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+LAYER_TYPES = ("full_attention", "linear_attention")
+LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -38,6 +46,49 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     dtype: str = "float32"  # the checkpoint's dtype, as HF names it
+    # -- hybrid models (Qwen3-Next / Qwen3.5 / Qwen3.6); the defaults are the plain decoder's.
+    # Fields at their default are left out of compute_hash, so older models keep their hashes.
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "linear_attention"; () = all full
+    linear_num_key_heads: int = 0  # GDN key heads Hk (q and k)
+    linear_num_value_heads: int = 0  # GDN value heads Hv (v, z, a, b); Hv % Hk == 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0  # the depthwise causal conv's width
+    norm_offset: float = 0.0  # 1.0: every RMSNorm but the GDN's gated one applies (1 + w)
+    attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output
+    # -- MoE (the layer plan knows them; kiln does not run MoE layers yet)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Qwen3-Next's rule (spec 1.1); qwen3_5_moe configs have decoder_sparse_step 1 and no
+        mlp_only_layers, so every layer is MoE there."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def linear_key_dim(self) -> int:  # Hk * dk
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # Hv * dv
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:  # the conv's channels: q | k | v
+        return 2 * self.linear_key_dim + self.linear_value_dim
 
     @property
     def rotary_dim(self) -> int:
@@ -48,7 +99,11 @@ class ModelConfig:
         return dict(self.rope_scaling).get("rope_type", "default")
 
     def compute_hash(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in _HASH_IF_SET and d[f.name] == f.default:
+                del d[f.name]
+        blob = json.dumps(d, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @classmethod
@@ -71,13 +126,17 @@ class ModelConfig:
         act = d.get("hidden_act", d.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
-        theta, scaling, partial = _rope(d, source)
         arch = archs[0]
+        hybrid = _hybrid_fields(d, arch, source) if arch in HYBRID_ARCHITECTURES else {}
+        # Qwen3-Next and Qwen3.5 default partial_rotary_factor to 0.25 "for BC" (spec 1.1)
+        theta, scaling, partial = _rope(d, source, default_partial=0.25 if hybrid else 1.0)
+        if hybrid and "intermediate_size" not in d:
+            d["intermediate_size"] = 0  # an all-MoE config has no dense width
         return cls(
             architecture=arch,
             vocab_size=_pos_int(d, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=_pos_int(d, "intermediate_size", source),
+            intermediate_size=int(d["intermediate_size"]) if hybrid else _pos_int(d, "intermediate_size", source),
             num_hidden_layers=_pos_int(d, "num_hidden_layers", source),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -91,7 +150,51 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            **hybrid,
         )
+
+
+_HASH_IF_SET = frozenset(("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                          "linear_value_head_dim", "linear_conv_kernel_dim", "norm_offset", "attn_output_gate",
+                          "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                          "mlp_only_layers"))
+
+
+def _hybrid_fields(d: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The Gated DeltaNet and MoE fields of a Qwen3-Next / Qwen3.5 config (spec section 1)."""
+    missing = [k for k in LINEAR_KEYS if d.get(k) is None]
+    if missing:
+        raise ConfigError(f"{source}: {arch} needs {missing[0]!r} (a Gated DeltaNet field) and it is missing")
+    lin = {k: _pos_int(d, k, source) for k in LINEAR_KEYS}
+    if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
+        raise ConfigError(f"{source}: linear_num_value_heads ({lin['linear_num_value_heads']}) is not a multiple "
+                          f"of linear_num_key_heads ({lin['linear_num_key_heads']})")
+    n_layers = _pos_int(d, "num_hidden_layers", source)
+    types = d.get("layer_types")
+    if types is None:  # built from full_attention_interval, as Qwen3NextConfig.__post_init__ does
+        interval = d.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise ConfigError(f"{source}: full_attention_interval must be a positive integer, got {interval!r}")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ConfigError(f"{source}: layer_types must list one type per layer ({n_layers}), got {types!r}")
+    unknown = [t for t in types if t not in LAYER_TYPES]
+    if unknown:
+        raise ConfigError(f"{source}: layer type {unknown[0]!r} is not one kiln knows "
+                          f"(known: {', '.join(LAYER_TYPES)})")
+    moe = {}
+    if d.get("num_experts"):
+        moe = dict(num_experts=_pos_int(d, "num_experts", source),
+                   num_experts_per_tok=_pos_int(d, "num_experts_per_tok", source),
+                   moe_intermediate_size=_pos_int(d, "moe_intermediate_size", source),
+                   shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+                   # qwen3_5_moe removed the field: its router always renormalises (spec 1.1)
+                   norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                   decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+                   mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
+    # HF ignores attn_output_gate: the gate is always on (spec 1.1, pitfall 19)
+    return dict(layer_types=tuple(types), norm_offset=1.0, attn_output_gate=True, **lin, **moe)
 
 
 def _pos_int(d: Mapping[str, Any], key: str, source: str) -> int:
@@ -101,12 +204,17 @@ def _pos_int(d: Mapping[str, Any], key: str, source: str) -> int:
     return v
 
 
-def _rope(d: Mapping[str, Any], source: str) -> tuple[float, tuple, float]:
-    """HF v4 keeps rope_theta and rope_scaling at top level; v5 nests both in rope_parameters."""
+def _rope(d: Mapping[str, Any], source: str, default_partial: float = 1.0) -> tuple[float, tuple, float]:
+    """HF v4 keeps rope_theta and rope_scaling at top level; v5 nests both in rope_parameters.
+    Qwen3.5's text-only MRoPE (mrope_section, mrope_interleaved) is the plain 1-D rope: its
+    three position rows are equal for text (spec 5.2), so those keys change nothing here."""
     params = dict(d.get("rope_parameters") or {})
     scaling = dict(d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)))
+    for k in ("mrope_section", "mrope_interleaved"):
+        params.pop(k, None)
+        scaling.pop(k, None)
     scaling.update(params)
     rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
     scaling["rope_type"] = rope_type

@@ -5,14 +5,21 @@ from typing import Callable
 
 from kiln.errors import UnsupportedArchitectureError
 from kiln.graph import Graph
-from kiln.models import llama, qwen3
+from kiln.models import llama, qwen3, qwen3_5
 
 GraphBuilder = Callable[..., Graph]
 
 ARCHITECTURES: dict[str, GraphBuilder] = {
     "LlamaForCausalLM": llama.build_graph,
     "Qwen3ForCausalLM": qwen3.build_graph,
+    "Qwen3_5ForCausalLM": qwen3_5.build_graph,
+    "Qwen3_5ForConditionalGeneration": qwen3_5.build_graph,
+    "Qwen3NextForCausalLM": qwen3_5.build_graph,
 }
+
+# architecture -> fn(config, weights) -> the weights under the graph's tensor names
+WEIGHT_ADAPTERS = {arch: qwen3_5.adapt_weights for arch in
+                   ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")}
 
 
 def get_graph_builder(architecture: str) -> GraphBuilder:

@@ -10,7 +10,7 @@ from typing import Any
 
 from kiln.errors import ConfigError, InvalidModelError, ModelNotFoundError
 from kiln.models.config import ModelConfig
-from kiln.models.registry import get_graph_builder
+from kiln.models.registry import WEIGHT_ADAPTERS, get_graph_builder
 from kiln.models.weights import GGUFWeights, WeightSource, gguf_to_hf_config, open_weights
 
 
@@ -51,4 +51,7 @@ def open_model(path: str | Path) -> ModelSource:
         fmt = "safetensors"
     config = ModelConfig.from_hf_dict(hf, source=str(path / "config.json") if fmt == "safetensors" else str(path))
     get_graph_builder(config.architecture)  # reject unknown architectures before loading anything
+    adapt = WEIGHT_ADAPTERS.get(config.architecture)
+    if adapt is not None:
+        weights = adapt(config, weights)
     return ModelSource(path, fmt, config, weights, hf)

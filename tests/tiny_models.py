@@ -50,3 +50,32 @@ def randomize(model, seed: int):
             else:
                 p.copy_(torch.randn_like(p) * (0.4 if "embed" in name else 1.5 / p.shape[-1] ** 0.5))
     return model
+
+
+# Qwen3.5 / Qwen3-Next hybrids: 3 Gated DeltaNet layers, then a gated full-attention layer (x2)
+HYBRID_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6)
+HYBRID_VARIANTS = ("qwen3_5_causal", "qwen3_5_conditional", "qwen3_next")
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                   spatial_merge_size=2, temporal_patch_size=2)
+
+
+def make_tiny_hybrid(out_dir: Path, variant: str, *, seed: int = 0, **overrides):
+    """A tiny hybrid checkpoint saved by transformers (eager attention, torch fallback kernels);
+    returns the model (eval, f32)."""
+    base = {**HYBRID_BASE, **overrides}
+    if variant == "qwen3_5_causal":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**base))
+    elif variant == "qwen3_5_conditional":  # the layout Qwen3.5/3.6 checkpoints ship, vision tower included
+        model = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config=base, vision_config=TINY_VISION))
+    elif variant == "qwen3_next":
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**base, num_experts=0))
+    else:
+        raise ValueError(variant)
+    model.config._attn_implementation = "eager"
+    model = randomize(model.eval(), seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model

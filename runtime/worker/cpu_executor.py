@@ -20,14 +20,17 @@ WeightLoader = Callable[[str], np.ndarray]
 
 
 class CpuExecutor:
-    def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int) -> None:
+    def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0) -> None:
+        """num_state_slots: a hybrid model's per-request state slots (the `NS` dim of its
+        Gated DeltaNet states; 0 for a graph without them)."""
         graph.verify()
         self.graph = graph
         self.order = graph.topo_order()
         self.num_blocks = num_blocks
+        self.num_state_slots = num_state_slots if any("NS" in t.shape for t in graph.states) else 0
         self.weights = {t.name: self._load(t, load_weight) for t in graph.weights}
-        self.states = {t.name: np.zeros(t.concrete_shape({"NB": num_blocks}), dtype=to_numpy(t.dtype))
-                       for t in graph.states}
+        dims = {"NB": num_blocks, "NS": num_state_slots}
+        self.states = {t.name: np.zeros(t.concrete_shape(dims), dtype=to_numpy(t.dtype)) for t in graph.states}
         self._last_use = self._compute_last_use()
 
     @staticmethod

@@ -31,12 +31,15 @@ def greedy_generate(executor: Executor, block_size: int, prompts: Sequence[Seque
     need = [-(-(len(p) + max_tokens) // block_size) for p in prompts]
     if sum(need) > executor.num_blocks:
         raise ValueError(f"the KV cache has {executor.num_blocks} blocks; these prompts need {sum(need)}")
+    if 0 < getattr(executor, "num_state_slots", 0) < len(prompts):
+        raise ValueError(f"the executor has {executor.num_state_slots} state slots; {len(prompts)} prompts need one each")
     starts = np.concatenate([[0], np.cumsum(need)]).astype(int)
     blocks = [list(range(starts[i], starts[i + 1])) for i in range(len(prompts))]
     seqs = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
-    chunks = [SeqChunk(seqs[i], 0, blocks[i]) for i in live]
+    # sequence i also owns state slot i (a hybrid model's Gated DeltaNet state)
+    chunks = [SeqChunk(seqs[i], 0, blocks[i], state_slot=i) for i in live]
     while live and chunks:
         logits = executor.execute(prepare_step(chunks, block_size))
         logits = next(iter(logits.values()))
@@ -50,5 +53,5 @@ def greedy_generate(executor: Executor, block_size: int, prompts: Sequence[Seque
             if tok not in eos_ids and len(out[i]) < max_tokens:
                 still.append(i)
         live = still
-        chunks = [SeqChunk([seqs[i][-1]], len(seqs[i]) - 1, blocks[i]) for i in live]
+        chunks = [SeqChunk([seqs[i][-1]], len(seqs[i]) - 1, blocks[i], state_slot=i) for i in live]
     return out

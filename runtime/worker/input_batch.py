@@ -21,6 +21,7 @@ class SeqChunk:
     block_ids: Sequence[int]  # the sequence's block table (covers start_pos + len(token_ids))
     sample: bool = True  # whether the last token's logits are wanted
     all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), in order
+    state_slot: int = -1  # a hybrid model's per-request state slot (Gated DeltaNet layers); -1: none
 
 
 def prepare_step(chunks: Sequence[SeqChunk], block_size: int) -> dict[str, np.ndarray]:
@@ -67,4 +68,5 @@ def prepare_step(chunks: Sequence[SeqChunk], block_size: int) -> dict[str, np.nd
         "input_ids": input_ids, "positions": positions, "slot_mapping": slots,
         "block_table": block_table, "seq_lens": seq_lens.astype(np.int32), "query_start_loc": qsl,
         "logits_indices": logits_indices,
+        "state_slots": np.fromiter((c.state_slot for c in chunks), dtype=np.int32, count=n),
     }

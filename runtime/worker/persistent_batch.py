@@ -22,22 +22,25 @@ class PersistentBatch:
         self.num_tokens = np.zeros(rows, np.int64)  # [R]
         self.block_table = np.zeros((rows, max_blocks), np.int32)  # [R, MB]: zero past num_blocks
         self.num_blocks = np.zeros(rows, np.int32)  # [R]
+        self.state_slot = np.full(rows, -1, np.int32)  # [R]: a hybrid model's state slot, -1: none
         self._free = list(range(rows - 1, -1, -1))
 
     # -- rows ---------------------------------------------------------------------------
-    def add(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> int:
+    def add(self, token_ids: Sequence[int], block_ids: Sequence[int], state_slot: int = -1) -> int:
         """A new request's row; -> its index."""
         if not self._free:
             self._grow_rows()
         row = self._free.pop()
         self.set_tokens(row, token_ids)
         self.set_blocks(row, block_ids)
+        self.state_slot[row] = state_slot
         return row
 
     def remove(self, row: int) -> None:
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self.num_tokens[row] = 0
+        self.state_slot[row] = -1
         self._free.append(row)
 
     def _grow_rows(self) -> None:
@@ -47,6 +50,7 @@ class PersistentBatch:
         self.block_table = _resized(self.block_table, new, self.block_table.shape[1])
         self.num_tokens = np.concatenate([self.num_tokens, np.zeros(new - old, self.num_tokens.dtype)])
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(new - old, self.num_blocks.dtype)])
+        self.state_slot = np.concatenate([self.state_slot, np.full(new - old, -1, np.int32)])
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _ensure_tokens(self, n: int) -> None:
@@ -116,6 +120,7 @@ class PersistentBatch:
         mb = max(int(nblocks.max(initial=0)), 1)
         self._ensure_blocks(mb)
         block_table = self.block_table[rows, :mb]
+        state_slots = self.state_slot[rows]
         decode = T == n and (n == 0 or int(lens.min()) == 1)  # every chunk is one token
         if not decode:
             seq_of_token = np.repeat(np.arange(n), lens)
@@ -139,7 +144,7 @@ class PersistentBatch:
         return {
             "input_ids": input_ids.astype(np.int32, copy=False), "positions": positions.astype(np.int32, copy=False),
             "slot_mapping": slots, "block_table": block_table, "seq_lens": seq_lens, "query_start_loc": qsl,
-            "logits_indices": logits_indices,
+            "logits_indices": logits_indices, "state_slots": state_slots,
         }
 
 
