@@ -20,7 +20,7 @@ class AsyncLLM(_RuntimeAsyncLLM):
         as vLLM serves: this process then only tokenises, detokenises and talks HTTP."""
         engine, model = build_engine_process(args) if engine_process else build_engine(args)
         engine.stat_loggers.extend(stat_loggers)
-        return cls(engine, args=args, model=model)
+        return cls(engine, args=engine.engine_args or args, model=model)
 
 
 __all__ = ["AsyncLLM", "EngineArgs", "EngineDeadError"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from kiln.entrypoints.engine_args import EngineArgs
 from kiln.loader import context_length, load, load_frontend
-from kiln.runtime.core.kv_cache_spec import full_attention_config
+from kiln.runtime.core.kv_cache_spec import full_attention_config, hybrid_config
 from kiln.runtime.core.scheduler import Scheduler
 from kiln.runtime.core.scheduler_config import CacheConfig, SchedulerConfig
 from kiln.runtime.engine.core import EngineCore
@@ -38,14 +38,14 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype)
     cfg = lm.source.config
+    args = args.with_model_defaults(cfg)
     max_len = context_length(cfg, args.max_model_len)
     sched_cfg = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
         async_scheduling=args.target != "cpu" if args.async_scheduling is None else args.async_scheduling)
-    kv_cfg = full_attention_config(lm.executor.num_blocks, args.block_size, cfg.num_key_value_heads,
-                                   cfg.head_dim, lm.graph.attrs["kv_cache_dtype"])
+    kv_cfg = kv_cache_config(cfg, lm, args.block_size)
     # a GPU bundle's buckets hold a fixed number of logits rows (prompt logprobs need one per token)
     rows = max((p["logits"] for p in getattr(lm.executor, "buckets", ())), default=None)
     scheduler = Scheduler(sched_cfg, kv_cfg, CacheConfig(args.block_size, args.enable_prefix_caching),
@@ -57,16 +57,35 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
                          seed=args.seed)
     engine = LLMEngine(EngineCore(scheduler, runner), tok, max_model_len=max_len, vocab_size=cfg.vocab_size,
                        eos_token_ids=eos)
+    engine.engine_args = args
     freeze_startup_heap()
     return engine, lm
+
+
+def kv_cache_config(cfg, lm, block_size: int):
+    """The scheduler's view of the executor's caches: the attention blocks, and for a hybrid
+    model a second group of state slots, one per running request (slot 0 is the null slot,
+    so the executor holds num_state_slots - 1 usable ones)."""
+    kv_dtype = lm.graph.attrs["kv_cache_dtype"]
+    if not cfg.is_hybrid:
+        return full_attention_config(lm.executor.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                     kv_dtype)
+    conv = next(t for t in lm.graph.states if t.name.startswith("gdn_conv."))
+    ssm = next(t for t in lm.graph.states if t.name.startswith("gdn_ssm."))
+    return hybrid_config(lm.executor.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype,
+                         num_state_slots=lm.executor.num_state_slots - 1, conv_shape=tuple(conv.shape[1:]),
+                         ssm_shape=tuple(ssm.shape[1:]), conv_dtype=str(conv.dtype), ssm_dtype=str(ssm.dtype),
+                         num_gdn_layers=sum(t == "linear_attention" for t in cfg.layer_types))
 
 
 def build_engine_process(args: EngineArgs) -> tuple[LLMEngine, None]:
     """-> an engine whose core runs in a child process; this process keeps the tokenizer."""
     cfg, tok = load_frontend(args.model, tokenizer=not args.skip_tokenizer_init)
+    args = args.with_model_defaults(cfg)
     core = EngineCoreClient(functools.partial(build_engine, args))  # the child runs build_engine(args)
     eos = sorted(tok.eos_token_ids) if tok is not None else []
     max_len = context_length(cfg, args.max_model_len)
     engine = LLMEngine(core, tok, max_model_len=max_len, vocab_size=cfg.vocab_size, eos_token_ids=eos)
+    engine.engine_args = args
     freeze_startup_heap()  # this process's own (the core process froze its heap in build_engine)
     return engine, None

@@ -2,8 +2,11 @@
 vllm/engine/arg_utils.py EngineArgs, the subset kiln runs)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from kiln.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -13,7 +16,8 @@ class EngineArgs:
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    # None: on, except for hybrid (Gated DeltaNet) models, whose state is not prefix-cached yet
+    enable_prefix_caching: Optional[bool] = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -34,3 +38,17 @@ class EngineArgs:
         from kiln.graph.dtype import kv_cache_dtype
 
         kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads
+
+    def with_model_defaults(self, cfg: Any) -> "EngineArgs":
+        """The args with what depends on the model (a ModelConfig) decided: prefix caching is on
+        by default, and off for a hybrid model, where asking for it is an error (its state
+        slots would resume from a prefix they never computed)."""
+        caching = self.enable_prefix_caching
+        if cfg.is_hybrid:
+            if caching:
+                raise ConfigError(f"prefix caching is not supported for {cfg.architecture} (Gated DeltaNet "
+                                  f"state is not cached yet): drop --enable-prefix-caching")
+            caching = False
+        elif caching is None:
+            caching = True
+        return dataclasses.replace(self, enable_prefix_caching=caching)

@@ -19,6 +19,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         self.args = EngineArgs(model=None if model is None else str(model), **kwargs)
         self.engine, self.model = build_engine(self.args)
+        self.args = self.engine.engine_args  # the model's defaults filled in (prefix caching)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -53,8 +53,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive, default=256, help="most sequences scheduled in one step")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
                    help="token budget of one step (prefill chunks and decode tokens together)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache blocks of a prompt's already computed prefix (hash-based)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache blocks of a prompt's already computed prefix (hash-based; default: "
+                   "on, off for hybrid Gated DeltaNet models, which do not support it yet)")
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template's text (default: the "
                    "tokenizer's template)")
     p.add_argument("--enable-force-include-usage", action="store_true",

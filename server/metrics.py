@@ -57,6 +57,9 @@ class PrometheusStatLogger:
         self.running = gauge("kiln:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("kiln:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("kiln:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.state_usage = gauge("kiln:state_slot_usage_perc",
+                                 "Hybrid models: Gated DeltaNet state slots in use (the KV cache's second group). "
+                                 "1 means 100 percent usage; 0 for models without one.")
         self.prefix_queries = counter("kiln:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("kiln:prefix_cache_hits",
@@ -100,6 +103,7 @@ class PrometheusStatLogger:
         self.running.set(s.num_running_reqs)
         self.waiting.set(s.num_waiting_reqs)
         self.kv_usage.set(s.kv_cache_usage)
+        self.state_usage.set(s.state_usage)
         self.prefix_queries.inc(s.prefix_cache_stats.queries)
         self.prefix_hits.inc(s.prefix_cache_stats.hits)
         self.preemptions.inc(s.num_preemptions)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from kiln.runtime.core.kv_cache_spec import full_attention_config
+from kiln.runtime.core.kv_cache_spec import full_attention_config, hybrid_config
 from kiln.runtime.core.request import Request
 from kiln.runtime.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kiln.runtime.core.scheduler import Scheduler
@@ -34,12 +34,15 @@ class FakeSamplingParams:
 def create_scheduler(num_blocks: int = 100, block_size: int = 16, max_num_batched_tokens: int = 2048,
                      max_num_seqs: int = 16, max_model_len: int = 1024, enable_prefix_caching: bool = True,
                      enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                     policy: str = "fcfs") -> Scheduler:
+                     policy: str = "fcfs", num_state_slots: int = 0) -> Scheduler:
+    """num_state_slots > 0: a hybrid model's two groups (attention blocks, state slots)."""
     sc = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                          long_prefill_token_threshold=long_prefill_token_threshold, policy=policy)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(sc, full_attention_config(num_blocks, block_size), cc)
+    kv = (hybrid_config(num_blocks, block_size, 1, 1, "bf16", num_state_slots, (4, 3), (2, 4, 4), "bf16")
+          if num_state_slots else full_attention_config(num_blocks, block_size))
+    return Scheduler(sc, kv, cc)
 
 
 def make_request(rid: str, prompt: list[int], eos_token_id: int | None = EOS, priority: int = 0,

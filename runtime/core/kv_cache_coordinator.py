@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kiln.runtime.core.block_pool import BlockPool
-from kiln.runtime.core.kv_cache_spec import KVCacheConfig
+from kiln.runtime.core.kv_cache_spec import KVCacheConfig, MambaSpec
 from kiln.runtime.core.kv_cache_utils import BlockHash, KVCacheBlock
 from kiln.runtime.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 
@@ -27,14 +27,33 @@ class KVCacheCoordinator:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
+        # A hybrid model's state slots are a pool of their own (slot 0 is its null slot).
+        self.state_pool = BlockPool(kv_cache_config.num_state_slots + 1, False) \
+            if kv_cache_config.num_state_slots else None
         self.single_type_managers = tuple(
-            get_manager_for_kv_cache_spec(g.kv_cache_spec, self.block_pool, gid)
+            get_manager_for_kv_cache_spec(
+                g.kv_cache_spec, self.state_pool if isinstance(g.kv_cache_spec, MambaSpec) else self.block_pool, gid)
             for gid, g in enumerate(kv_cache_config.kv_cache_groups))
+        self._block_managers = [m for m in self.single_type_managers if m.block_pool is self.block_pool]
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> int:
+        """Blocks of the attention blocks' pool the request needs (state slots: can_allocate)."""
         return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
-                   for i, m in enumerate(self.single_type_managers))
+                   for i, m in enumerate(self.single_type_managers) if m.block_pool is self.block_pool)
+
+    def can_allocate(self, request_id: str, num_tokens: int,
+                     new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> bool:
+        """Whether every pool can cover what the request needs: the attention blocks and,
+        for a hybrid model, a state slot (the scheduler admits a request only with both)."""
+        if self.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks) > \
+                self.block_pool.get_num_free_blocks():
+            return False
+        if self.state_pool is None:
+            return True
+        need = sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+                   for i, m in enumerate(self.single_type_managers) if m.block_pool is self.state_pool)
+        return need <= self.state_pool.get_num_free_blocks()
 
     def save_new_computed_blocks(self, request_id: str,
                                  new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
@@ -69,7 +88,7 @@ class KVCacheCoordinator:
     def max_num_tokens_per_request(self) -> int:
         """The most tokens one request can ever hold, with every usable block its own."""
         num_usable = self.kv_cache_config.num_blocks - 1
-        return (num_usable // len(self.single_type_managers)) * self.kv_cache_config.block_size
+        return (num_usable // len(self._block_managers)) * self.kv_cache_config.block_size
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:

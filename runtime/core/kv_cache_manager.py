@@ -79,6 +79,12 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     @property
+    def state_usage(self) -> float:
+        """A hybrid model's state slots held by requests (0..1); 0 without a state group."""
+        pool = self.coordinator.state_pool
+        return pool.get_usage() if pool is not None else 0.0
+
+    @property
     def max_num_tokens_per_request(self) -> int:
         """The most tokens one request could ever hold, were it alone."""
         return self.coordinator.max_num_tokens_per_request()
@@ -138,8 +144,11 @@ class KVCacheManager:
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
                                    self.max_model_len)
-        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits)
-        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+        if self.coordinator.state_pool is None:
+            num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits)
+            if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
+                return None
+        elif not self.coordinator.can_allocate(rid, num_tokens_need_slot, hits):
             return None
         if any(hits):
             assert self.enable_caching, "prefix-cache hits while prefix caching is off"

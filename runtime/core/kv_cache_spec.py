@@ -13,6 +13,7 @@ count is found at run time (from free device memory) and only then is a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kiln.runtime.core.kv_cache_utils import cdiv
@@ -69,6 +70,37 @@ class FullAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A hybrid model's per-request recurrent state (vLLM's MambaSpec, mamba_type gdn): one
+    slot per request whatever its length, holding every Gated DeltaNet layer's conv state
+    `conv_shape` and recurrent state `ssm_shape`. The slots are their own pool
+    (KVCacheConfig.num_state_slots), not pages of the attention blocks' pool."""
+
+    conv_shape: tuple[int, ...] = ()
+    ssm_shape: tuple[int, ...] = ()
+    conv_dtype: str = "bf16"
+    ssm_dtype: str = "f32"
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for d in (self.conv_dtype, self.ssm_dtype):
+            if str(d) not in _ITEMSIZE:
+                raise ValueError(f"unsupported state dtype {d!r}; expected one of {sorted(_ITEMSIZE)}")
+        object.__setattr__(self, "conv_dtype", str(self.conv_dtype))
+        object.__setattr__(self, "ssm_dtype", str(self.ssm_dtype))
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one slot in one layer."""
+        return (math.prod(self.conv_shape) * _ITEMSIZE[self.conv_dtype]
+                + math.prod(self.ssm_shape) * _ITEMSIZE[self.ssm_dtype])
+
+    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+        return self.page_size_bytes
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     """The layers (by name) that share one block table, and what they store."""
 
@@ -83,9 +115,12 @@ class KVCacheConfig:
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    num_state_slots: int = 0  # a MambaSpec group's pool: slots 1..num_state_slots (0 is the null slot)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
+        if any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups) and self.num_state_slots < 1:
+            raise ValueError("a config with a state (MambaSpec) group needs num_state_slots >= 1")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}")
         if not self.kv_cache_groups:
@@ -99,6 +134,18 @@ class KVCacheConfig:
         if len(sizes) != 1:
             raise NotImplementedError(f"KV cache groups with different block sizes: {sorted(sizes)}")
         return sizes.pop()
+
+
+def hybrid_config(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: str,
+                  num_state_slots: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
+                  conv_dtype: str, ssm_dtype: str = "f32", num_gdn_layers: int = 1) -> KVCacheConfig:
+    """Two groups: the full-attention layers' blocks, and the Gated DeltaNet layers' state
+    slots (one per running request)."""
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    state = MambaSpec(block_size=block_size, conv_shape=tuple(conv_shape), ssm_shape=tuple(ssm_shape),
+                      conv_dtype=conv_dtype, ssm_dtype=ssm_dtype, num_layers=num_gdn_layers)
+    return KVCacheConfig(num_blocks=num_blocks, num_state_slots=num_state_slots,
+                         kv_cache_groups=(KVCacheGroupSpec((), attn), KVCacheGroupSpec((), state)))
 
 
 def full_attention_config(num_blocks: int, block_size: int, num_kv_heads: int = 1, head_size: int = 1,

@@ -440,7 +440,7 @@ class Scheduler:
         num_preemptions, self._num_preemptions = self._num_preemptions, 0
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage=self.kv_cache_manager.usage, state_usage=self.kv_cache_manager.state_usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=num_preemptions)
 

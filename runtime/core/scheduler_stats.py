@@ -44,5 +44,6 @@ class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of usable blocks held by requests, 0..1
+    state_usage: float = 0.0  # a hybrid model's state slots held by requests, 0..1 (0 without)
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0  # preemptions since the previous report

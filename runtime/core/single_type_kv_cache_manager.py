@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kiln.runtime.core.block_pool import BlockPool
-from kiln.runtime.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from kiln.runtime.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from kiln.runtime.core.kv_cache_utils import BlockHash, KVCacheBlock, cdiv
 
 if TYPE_CHECKING:
@@ -140,8 +140,48 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         pass
 
 
+class MambaManager(SingleTypeKVCacheManager):
+    """A hybrid model's state group (vLLM's MambaManager, prefix caching off): every request
+    holds exactly one block of its own pool, its state slot, from its first step to its
+    finish, abort or preemption (a preempted request recomputes, so it starts a new slot)."""
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+        assert not new_computed_blocks, "a state slot is never a prefix-cache hit (prefix caching is off)"
+        self.req_to_blocks.setdefault(request_id, [])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if blocks:
+            return []
+        blocks.extend(self.block_pool.get_new_blocks(1))
+        return list(blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        pass  # a slot's state changes every step: nothing to publish
+
+    def uncache_blocks_after(self, request_id: str, num_computed_tokens: int) -> None:
+        pass
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+        return 0
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        pass
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: Sequence[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec) -> tuple[list[KVCacheBlock], ...]:
+        raise NotImplementedError("prefix caching of a hybrid model's state is not supported yet")
+
+
 _MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    MambaSpec: MambaManager,
 }
 
 

@@ -225,6 +225,6 @@ class EngineCore:
         """Gauges an operator reads, without resetting any counter."""
         s = self.scheduler
         return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
-                "kv_cache_usage": s.kv_cache_manager.usage,
+                "kv_cache_usage": s.kv_cache_manager.usage, "state_usage": s.kv_cache_manager.state_usage,
                 "num_free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
                 "num_total_blocks": s.kv_cache_config.num_blocks}

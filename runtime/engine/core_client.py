@@ -173,7 +173,8 @@ class EngineCoreClient:
             for f in ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"):
                 setattr(pc, f, getattr(pc, f) + getattr(p, f))
         return SchedulerStats(num_running_reqs=snap["num_running_reqs"], num_waiting_reqs=snap["num_waiting_reqs"],
-                              kv_cache_usage=snap["kv_cache_usage"], prefix_cache_stats=pc,
+                              kv_cache_usage=snap["kv_cache_usage"], state_usage=snap.get("state_usage", 0.0),
+                              prefix_cache_stats=pc,
                               num_preemptions=sum(s.num_preemptions for s in pending))
 
     def snapshot(self) -> dict:

@@ -37,6 +37,7 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = [self.totals]
         self._ids = itertools.count()
         self._max_tokens: dict[str, Optional[int]] = {}
+        self.engine_args: Any = None  # what it was built from, the model's defaults filled in (entrypoints)
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"

@@ -144,7 +144,9 @@ class ModelRunner:
                     raise ValueError("bad_words needs a tokenizer")
                 bad = params.tokenize_bad_words(self.encode, self.vocab_size)
             self._drop(new.req_id)
-            row = self.batch.add(new.prompt_token_ids, new.block_ids[0])
+            # a hybrid model's second group is its state: one block, the request's state slot
+            row = self.batch.add(new.prompt_token_ids, new.block_ids[0],
+                                 new.block_ids[1][0] if len(new.block_ids) > 1 and new.block_ids[1] else -1)
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.prompt_token_ids), params, row,
                 generator=params.new_generator(), bad_words_token_ids=bad)
@@ -157,6 +159,8 @@ class ModelRunner:
                 st = reqs[rid]
                 if rid in c.resumed_req_ids:  # a resumed request's table is new, whatever its length
                     batch.set_blocks(st.row, blocks[0] if blocks else [])
+                    if blocks and len(blocks) > 1 and blocks[1]:  # and so is its state slot (it recomputes)
+                        batch.state_slot[st.row] = blocks[1][0]
                 elif blocks:
                     batch.append_blocks(st.row, blocks[0])
                 toks = c.all_token_ids.get(rid)

@@ -137,8 +137,37 @@ def check_invariants(s, out) -> None:
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads(workload):
+    run_workload(*workload)
+
+
+def check_state_slots(s) -> None:
+    """A hybrid model's state group: every running request holds exactly one slot of its own,
+    nothing else holds one, and the pool's free count agrees."""
+    kv = s.kv_cache_manager
+    manager = kv.coordinator.single_type_managers[1]
+    pool = kv.coordinator.state_pool
+    held = {rid: [b.block_id for b in blocks] for rid, blocks in manager.req_to_blocks.items() if blocks}
+    running = {r.request_id for r in s.running}
+    assert set(held) <= running, f"{set(held) - running} hold state slots while not running"
+    assert all(len(v) == 1 for v in held.values())
+    ids = [v[0] for v in held.values()]
+    assert len(set(ids)) == len(ids) and 0 not in ids
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1 - len(ids)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 7))
+def test_random_hybrid_workloads(workload, slots):
+    """The same workloads on a hybrid model's two groups, prefix caching off, with sometimes
+    fewer state slots than max_num_seqs: admission waits for a slot, and every slot is free at
+    the end."""
     cfg, specs = workload
+    run_workload(dict(cfg, enable_prefix_caching=False, num_state_slots=slots), specs)
+
+
+def run_workload(cfg, specs) -> None:
     s = create_scheduler(**cfg)
+    hybrid = cfg.get("num_state_slots", 0) > 0
     runner = FakeRunner(cfg["block_size"], token_fn=lambda rid, pos: fake_token(rid, pos, eos_every=EOS_EVERY))
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
@@ -167,6 +196,8 @@ def test_random_workloads(workload):
                 aborted.add(sp.rid)
         out = s.schedule()
         check_invariants(s, out)
+        if hybrid:
+            check_state_slots(s)
         mro = runner.execute(out)
         check_cached_blocks_hold_their_tokens(s, runner, reqs)
         for rid, o in s.update_from_output(out, mro).items():
@@ -179,6 +210,9 @@ def test_random_workloads(workload):
     pool = s.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == cfg["num_blocks"] - 1
     assert all(b.ref_cnt == 0 for b in pool.blocks)
+    if hybrid:
+        state = s.kv_cache_manager.coordinator.state_pool
+        assert state.get_num_free_blocks() == cfg["num_state_slots"] and s.kv_cache_manager.state_usage == 0
     assert not s.requests and not s.running and not s.waiting
     for sp in specs:
         if sp.rid in rejected:
