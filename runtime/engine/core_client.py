@@ -9,9 +9,13 @@ abort_requests, step, make_stats, snapshot, max_model_len), so LLMEngine and
 AsyncLLM work unchanged on top of it.
 
 Messages (pickled over a multiprocessing Pipe):
-  front -> core: ("add", Request) | ("abort", [ids]) | ("shutdown", None)
+  front -> core: ("add", Request) | ("abort", ([ids], seq)) | ("shutdown", None)
   core -> front: ("ready", info) | ("step", packed outputs, SchedulerStats, tokens, snapshot)
-                 | ("rejected", id, message) | ("error", message)
+                 | ("idle", SchedulerStats, snapshot, seq) | ("rejected", id, message) | ("error", message)
+
+"idle" is the core's report once it has nothing to run after aborts, naming the last abort
+it applied: a front whose requests were all aborted waits for it, so its gauges (running
+requests, KV and state usage) show the freed blocks rather than the last step's.
 """
 from __future__ import annotations
 
@@ -50,12 +54,12 @@ def _core_main(build: Callable[[], tuple[Any, Any]], conn) -> None:
         engine, _ = build()
         core = engine.core
         conn.send(("ready", {"max_model_len": core.max_model_len, "snapshot": core.snapshot()}))
-        aborted = False
+        aborted = None  # the seq of the last abort applied, reported once idle
         while True:
             while conn.poll(0) or not core.has_unfinished_requests():
-                if not conn.poll(0) and aborted:  # idle after aborts: report the freed blocks
-                    conn.send(("step", pack_outputs([]), core.make_stats(), 0, core.snapshot()))
-                    aborted = False
+                if not conn.poll(0) and aborted is not None:  # idle after aborts: report the freed blocks
+                    conn.send(("idle", core.make_stats(), core.snapshot(), aborted))
+                    aborted = None
                 cmd, payload = conn.recv()
                 if cmd == "add":
                     try:
@@ -63,8 +67,8 @@ def _core_main(build: Callable[[], tuple[Any, Any]], conn) -> None:
                     except ValueError as e:  # validated in front already; never kill the loop for one request
                         conn.send(("rejected", payload.request_id, str(e)))
                 elif cmd == "abort":
-                    core.abort_requests(payload)
-                    aborted = True
+                    ids, aborted = payload
+                    core.abort_requests(ids)
                 elif cmd == "shutdown":
                     return
             outputs = core.step()
@@ -83,6 +87,8 @@ class EngineCoreClient:
     model)), for example functools.partial(kiln.entrypoints.engine.build_engine, engine_args):
     the runtime starts the process, the level above it says what to load."""
 
+    IDLE_REPORT_TIMEOUT = 30.0  # seconds a front with nothing left waits for the core's report after aborts
+
     def __init__(self, build: Callable[[], tuple[Any, Any]], *, start_timeout: float = 900.0) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no threads or device state inherited
         self._conn, child = ctx.Pipe()
@@ -100,6 +106,8 @@ class EngineCoreClient:
         self._unfinished: set[str] = set()
         self._pending_stats: list[SchedulerStats] = []
         self.last_step_tokens = 0
+        self._abort_seq = 0  # aborts sent
+        self._abort_acked = 0  # the last abort the core's idle report named
 
     def _recv(self) -> tuple:
         try:
@@ -125,7 +133,8 @@ class EngineCoreClient:
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         ids = [r for r in request_ids if r in self._unfinished]
         if ids:
-            self._send(("abort", ids))
+            self._abort_seq += 1
+            self._send(("abort", (ids, self._abort_seq)))
             self._unfinished.difference_update(ids)
         return ids
 
@@ -140,13 +149,24 @@ class EngineCoreClient:
         return self._handle(self._recv())
 
     def _drain(self) -> None:
+        """Read what the core has sent; with nothing left to run after aborts, wait (bounded)
+        for its idle report, so the freed blocks show in the gauges."""
         while self._conn.poll(0):
+            self._handle(self._recv())
+        while self._abort_acked < self._abort_seq and not self._unfinished:
+            if not self._conn.poll(self.IDLE_REPORT_TIMEOUT):
+                break  # a core stuck in a long step: the gauges catch up at the next read
             self._handle(self._recv())
 
     def _handle(self, msg: tuple) -> list[EngineCoreOutput]:
         kind = msg[0]
         if kind == "error":
             raise EngineCoreDeadError(f"the engine core failed:\n{msg[1]}")
+        if kind == "idle":
+            _, stats, snapshot, seq = msg
+            self._pending_stats.append(stats)
+            self._snapshot, self._abort_acked = snapshot, max(self._abort_acked, seq)
+            return []
         if kind == "rejected":
             _, rid, message = msg
             self._unfinished.discard(rid)
