@@ -12,6 +12,10 @@ in chunks over several steps, mixed with other requests' decodes. When a
 running request cannot get a KV block, another running request is preempted
 (its blocks freed, recomputed later; FCFS takes the last running one, PRIORITY
 the lowest priority) and no waiting request is admitted in that step.
+
+Hybrid models (a `MambaSpec` state group: Gated DeltaNet layers) get their prefill
+chunks cut at absolute multiples of GDN_CHUNK_ALIGN, the last chunk excepted (see
+`_gdn_aligned_chunk`).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.runtime.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kiln.runtime.core.kv_cache_spec import KVCacheConfig
+from kiln.runtime.core.kv_cache_spec import KVCacheConfig, MambaSpec
 from kiln.runtime.core.kv_cache_utils import get_request_block_hasher
 from kiln.runtime.core.request import Request, RequestStatus
 from kiln.runtime.core.request_queue import SchedulingPolicy, create_request_queue
@@ -73,6 +77,38 @@ class _Step:
 
 _PREEMPTED = int(RequestStatus.PREEMPTED)  # every status above it is a finished one
 
+# The chunk size of the Gated DeltaNet chunked form (CHUNK of graph/gdn_ops.py, which
+# tests/runtime/core/test_scheduler_hybrid.py checks against this, and of the kernel in
+# codegen/triton/gdn.py). Written out here so this module stays pure Python (kiln.graph pulls
+# in numpy).
+GDN_CHUNK_ALIGN = 64
+
+
+def prefill_chunk_align(kv_cache_config: KVCacheConfig) -> int:
+    """The multiple prefill chunks of this cache's model must end on: GDN_CHUNK_ALIGN when a
+    group holds Gated DeltaNet state (MambaSpec), else 0 (no alignment)."""
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
+        return GDN_CHUNK_ALIGN
+    return 0
+
+
+def _gdn_aligned_chunk(start: int, num_new: int, align: int) -> int:
+    """A prefill chunk [start, start + num_new) that is NOT the last one of its request, cut
+    back to end on the last multiple of `align` inside it.
+
+    Why: the Gated DeltaNet chunked kernel cuts a sequence into `align`-token chunks at
+    absolute positions, so chunks that end on those positions make a prompt prefilled over
+    several steps go through the same kernel chunks as one prefilled in one step (and give
+    the same bits). A chunk lying inside one window (no multiple of `align` in
+    (start, start + num_new]) is kept as it is, so a budget smaller than `align` still makes
+    progress. Behaviour as in vLLM's Scheduler._mamba_block_aligned_split
+    (vllm/v1/core/sched/scheduler.py), which rounds the chunks of mamba_cache_mode "align"
+    down to whole blocks; here the unit is the kernel chunk, the rounding is of the absolute
+    end, and a chunk inside one window runs instead of waiting."""
+    end = start + num_new
+    aligned_end = end - end % align
+    return aligned_end - start if aligned_end > start else num_new
+
 
 def _wants_prompt_rows(request: Request) -> bool:
     """Its next chunk still scores prompt positions: one logits row per chunk token."""
@@ -117,6 +153,9 @@ class Scheduler:
         # step's tokens came back. A step that will sample a token for a request adds one
         # num_output_placeholders to it; update_from_output takes it off when the token arrives.
         self.async_scheduling = scheduler_config.async_scheduling
+        # Hybrid models: a prefill chunk short of its request's end ends on a multiple of this
+        # (0: any end; every model without a Gated DeltaNet state group).
+        self.prefill_chunk_align = prefill_chunk_align(kv_cache_config)
 
     # ------------------------------------------------------------------ requests
 
@@ -211,6 +250,7 @@ class Scheduler:
         room_of = room.get if room is not None else None
         cap_rows = self.max_num_logits_rows is not None
         async_sched = self.async_scheduling
+        align = self.prefill_chunk_align
         running, scheduled = self.running, step.running_reqs
         num_scheduled = step.num_scheduled_tokens
         req_index = 0
@@ -227,6 +267,7 @@ class Scheduler:
                     req_index += 1
                     continue
                 num_new += pending  # the in-flight tokens' positions: the runner knows them
+            wanted = num_new  # what would finish the request's known work
             if 0 < threshold < num_new:
                 num_new = threshold
             # vLLM clamps to max_model_len - 1 - computed (for spec tokens),
@@ -237,6 +278,10 @@ class Scheduler:
                 num_new = max_model_len - computed
             if num_new > 0 and cap_rows:
                 num_new = self._cap_logits_rows(request, num_new, step)
+            if align and 0 < num_new < wanted and computed + num_new < max_model_len:
+                # A hybrid's chunk short of the request's end (after every other cap): cut to
+                # a Gated DeltaNet chunk boundary.
+                num_new = _gdn_aligned_chunk(computed, num_new, align)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -310,6 +355,7 @@ class Scheduler:
             assert request.num_output_placeholders == 0, request
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed  # num_tokens: resumed ones have outputs
+            wanted = num_new  # what would finish the request's known work
             if 0 < threshold < num_new:
                 num_new = threshold
             if not self.scheduler_config.enable_chunked_prefill and num_new > step.token_budget:
@@ -321,6 +367,10 @@ class Scheduler:
                 saved, request.num_computed_tokens = request.num_computed_tokens, num_computed
                 num_new = self._cap_logits_rows(request, num_new, step)
                 request.num_computed_tokens = saved
+            if self.prefill_chunk_align and num_new < wanted:
+                # A hybrid's chunk short of the request's end, from where any prefix hit ends:
+                # cut to a Gated DeltaNet chunk boundary (absolute positions).
+                num_new = _gdn_aligned_chunk(num_computed, num_new, self.prefill_chunk_align)
             new_blocks = kv.allocate_slots(request, num_new, num_computed, hit_blocks)
             if new_blocks is None:
                 break  # head-of-line: later requests wait too (FCFS order is kept)

@@ -165,6 +165,19 @@ def test_random_hybrid_workloads(workload, slots):
     run_workload(dict(cfg, enable_prefix_caching=False, num_state_slots=slots), specs)
 
 
+def check_gdn_chunks(s, out) -> None:
+    """A hybrid model's chunk short of its request's end ends on a multiple of the GDN chunk
+    size, or lies inside one such window (runtime/core/scheduler.py, _gdn_aligned_chunk)."""
+    align = s.prefill_chunk_align
+    assert align == 64
+    starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+    starts.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
+    for rid, start in starts.items():
+        end = start + out.num_scheduled_tokens[rid]
+        if end < len(s.requests[rid].all_token_ids):
+            assert end % align == 0 or end // align == start // align, (rid, start, end)
+
+
 def run_workload(cfg, specs) -> None:
     s = create_scheduler(**cfg)
     hybrid = cfg.get("num_state_slots", 0) > 0
@@ -198,6 +211,7 @@ def run_workload(cfg, specs) -> None:
         check_invariants(s, out)
         if hybrid:
             check_state_slots(s)
+            check_gdn_chunks(s, out)
         mro = runner.execute(out)
         check_cached_blocks_hold_their_tokens(s, runner, reqs)
         for rid, o in s.update_from_output(out, mro).items():
