@@ -1,0 +1,138 @@
+"""The Gated DeltaNet kernels (codegen/triton/gdn.py) under the interpreter against
+graph/gdn_ops.py, on fresh random inputs: a batch mixing a fresh prompt longer than two
+64-token chunks, a continued prefill starting mid-chunk from its state slot, a decode token,
+and an empty (padding) sequence."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.codegen.triton import gdn
+from kiln.graph import gdn_ops
+from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+HK, HV, DK, DV, KW = 2, 4, 16, 32, 4
+CONV = 2 * HK * DK + HV * DV
+
+
+@pytest.fixture
+def interpreter():
+    require_interpreter()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(36)
+
+
+def _batch(new, ctx, slots):
+    """seq_lens, query_start_loc, state_slots of sequences with `new` tokens this step after `ctx`."""
+    seq_lens = np.array([n + c for n, c in zip(new, ctx)], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    return seq_lens, qsl, np.array(slots, np.int32)
+
+
+BATCHES = {
+    # fresh 150-token prompt (chunks 64, 64, 22); 70 tokens after 37 (27, 43); a decode token;
+    # an empty padding sequence without a slot
+    "mixed": ([150, 70, 1, 0], [0, 37, 10, 0], [2, 0, 3, -1]),
+    "decode": ([1, 1, 1], [5, 64, 130], [1, 0, 2]),
+}
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_causal_conv1d_matches_reference(rng, dtype, batch):
+    seq_lens, qsl, slots = _batch(*BATCHES[batch])
+    t, c = int(qsl[-1]), 80  # 80 channels: a partial second block of 64
+    x, w = rand(rng, (t, c), dtype), rand(rng, (c, 1, KW), dtype, 0.5)
+    state = rand(rng, (4, c, KW - 1), dtype)
+    ref_state = state.copy()
+    y = gdn.causal_conv1d(x, w, state, seq_lens, qsl, slots, block=64)
+    ref, _ = gdn_ops.causal_conv1d(x, ref_state, w, seq_lens, qsl, slots)
+    ref = f32(ref)
+    ref = (ref / (1.0 + np.exp(-ref))).astype(dtype)  # SiLU fused
+    tol = 1e-2 if dtype == BF16 else 1e-5
+    assert_close(y, ref, rtol=tol, what="conv1d + silu")
+    assert_close(state, ref_state, rtol=tol, what="conv state")
+
+
+def _gdn_inputs(rng, dtype, t):
+    """q, k, v as column views of one conv output [T, CONV] (as the model lays them out)."""
+    mixed = rand(rng, (t, CONV), dtype)
+    q = mixed[:, :HK * DK].reshape(t, HK, DK)
+    k = mixed[:, HK * DK:2 * HK * DK].reshape(t, HK, DK)
+    v = mixed[:, 2 * HK * DK:].reshape(t, HV, DV)
+    ab = rand(rng, (t, 2 * HV), dtype)
+    a, b = ab[:, :HV], ab[:, HV:]
+    a_log = np.log(rng.uniform(1, 16, HV)).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, HV).astype(np.float32)
+    return q, k, v, a, b, a_log, dt_bias
+
+
+def _reference(q, k, v, a, b, a_log, dt_bias, state, seq_lens, qsl, slots, *, recurrent: bool):
+    """The composition the kernels fuse: l2 norms (q scaled by dk^-0.5), gates, the rule."""
+    qn, kn = gdn_ops.l2norm(q, scale=DK ** -0.5), gdn_ops.l2norm(k)
+    g, beta = gdn_ops.gdn_gates(a, b, a_log, dt_bias)
+    if not recurrent:
+        return gdn_ops.gated_delta_rule(qn, kn, v, g, beta, state, seq_lens, qsl, slots)[0]
+    r = HV // HK
+    out = np.zeros(v.shape, np.float32)
+    for _, q0, q1, ctx, slot in gdn_ops._segments(seq_lens, qsl, slots):
+        s0 = state[slot] if ctx > 0 and slot >= 0 else np.zeros(state.shape[1:], np.float32)
+        o, s1 = gdn_ops.gdr_recurrent(np.repeat(qn[q0:q1], r, 1), np.repeat(kn[q0:q1], r, 1), f32(v[q0:q1]),
+                                      g[q0:q1], beta[q0:q1], s0)
+        out[q0:q1] = o
+        if slot >= 0:
+            state[slot] = s1
+    return out.astype(v.dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("form,batch", [("recurrent", "decode"), ("recurrent", "mixed"), ("chunked", "mixed"),
+                                        ("chunked", "decode")])
+def test_gated_delta_rule_matches_reference(rng, dtype, form, batch):
+    seq_lens, qsl, slots = _batch(*BATCHES[batch])
+    ins = _gdn_inputs(rng, dtype, int(qsl[-1]))
+    state = (rng.standard_normal((4, HV, DK, DV)) * 0.3).astype(np.float32)
+    ref_state = state.copy()
+    kernel = gdn.gdn_recurrent if form == "recurrent" else gdn.gdn_chunked
+    kw = dict(block_v=16) if form == "recurrent" else {}  # two value blocks per head
+    o = kernel(*ins, state, seq_lens, qsl, slots, **kw)
+    ref = _reference(*ins, ref_state, seq_lens, qsl, slots, recurrent=form == "recurrent")
+    tol = 2e-2 if dtype == BF16 else 1e-4
+    assert_close(o, ref, rtol=tol, what=f"gdn {form} output")
+    assert_close(state, ref_state, rtol=tol, what=f"gdn {form} state")
+
+
+def test_chunked_prefill_split_at_chunk_boundaries_is_bit_identical(rng):
+    """A 150-token prompt in one step, or as 64 + 86 tokens over two steps (the scheduler cuts
+    hybrid prefill chunks at multiples of 64), gives the same bits: the kernel cuts chunks at
+    absolute positions, so both runs compute the same chunks from the same states."""
+    q, k, v, a, b, a_log, dt_bias = _gdn_inputs(rng, np.float32, 150)
+    one = np.zeros((1, HV, DK, DV), np.float32)
+    o1 = gdn.gdn_chunked(q, k, v, a, b, a_log, dt_bias, one, *_batch([150], [0], [0]))
+    two = np.zeros((1, HV, DK, DV), np.float32)
+    first = gdn.gdn_chunked(q[:64], k[:64], v[:64], a[:64], b[:64], a_log, dt_bias, two, *_batch([64], [0], [0]))
+    rest = gdn.gdn_chunked(q[64:], k[64:], v[64:], a[64:], b[64:], a_log, dt_bias, two, *_batch([86], [64], [0]))
+    assert np.array_equal(np.concatenate([first, rest]), o1)
+    assert np.array_equal(two, one)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_gated_rms_norm_matches_reference(rng, dtype):
+    t = 7
+    x = rand(rng, (t, HV, DV), dtype)
+    z = rand(rng, (t, HV * DV), dtype)
+    w = rand(rng, (DV,), dtype)
+    y = gdn.gated_rms_norm(x, z, w, eps=1e-6)
+    ref = gdn_ops.gated_rms_norm(x, z.reshape(t, HV, DV), w, eps=1e-6)
+    assert_close(y, ref, rtol=1e-2 if dtype == BF16 else 1e-5, what="gated rms norm")
+
+
+def test_conv_refuses_a_kernel_width_it_cannot_run(rng):
+    x = rand(rng, (3, 8))
+    with pytest.raises(Exception, match="kernel width 5"):
+        gdn.causal_conv1d(x, rand(rng, (8, 1, 5)), rand(rng, (1, 8, 4)), *_batch([3], [0], [0]))
