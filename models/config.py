@@ -110,7 +110,9 @@ class ModelConfig:
     def from_hf_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         d = dict(d.get("text_config") or {}, **{k: v for k, v in d.items() if k != "text_config"}) \
             if "text_config" in d else dict(d)
-        missing = [k for k in REQUIRED_KEYS if d.get(k) is None]
+        # a hybrid's text config may have no dense width (qwen3_5_moe: every layer MoE)
+        optional = ("intermediate_size",) if (d.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES else ()
+        missing = [k for k in REQUIRED_KEYS if d.get(k) is None and k not in optional]
         if missing:
             raise ConfigError(f"{source} is missing required key {missing[0]!r}")
         archs = d["architectures"]

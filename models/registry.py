@@ -15,11 +15,15 @@ ARCHITECTURES: dict[str, GraphBuilder] = {
     "Qwen3_5ForCausalLM": qwen3_5.build_graph,
     "Qwen3_5ForConditionalGeneration": qwen3_5.build_graph,
     "Qwen3NextForCausalLM": qwen3_5.build_graph,
+    # known, so that build_graph refuses their MoE layers by name (the MoE issue adds them)
+    "Qwen3_5MoeForCausalLM": qwen3_5.build_graph,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_5.build_graph,
 }
 
 # architecture -> fn(config, weights) -> the weights under the graph's tensor names
 WEIGHT_ADAPTERS = {arch: qwen3_5.adapt_weights for arch in
-                   ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")}
+                   ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
+                    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")}
 
 
 def get_graph_builder(architecture: str) -> GraphBuilder:

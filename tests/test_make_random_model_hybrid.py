@@ -16,7 +16,7 @@ import pytest
 
 from kiln.bench.make_random_model import (TEXT_PREFIX, checkpoint_bytes, hf_config, make_random_model,
                                           weight_shapes)
-from kiln.errors import ConfigError, KilnError, UnsupportedArchitectureError
+from kiln.errors import KilnError, UnsupportedArchitectureError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -159,18 +159,16 @@ def test_moe_loads_in_transformers_with_the_experts_fused(moe):
 
 
 def test_moe_is_refused_by_kiln_in_one_sentence(moe):
-    """kiln has no MoE layers yet. Today the refusal is models/config.py's REQUIRED_KEYS check (a
-    qwen3_5_moe text_config has no intermediate_size, and that check runs before the hybrid default
-    of 0); past it, models/registry.py does not list Qwen3_5MoeForConditionalGeneration, and
-    models/qwen3_5.build_graph refuses MoE layers by name. Any of the three is one typed sentence."""
+    """kiln has no MoE layers yet: models/qwen3_5.build_graph refuses them by name (the config
+    parses although a qwen3_5_moe text_config has no intermediate_size)."""
     from kiln.loader import load
 
     with pytest.raises(KilnError) as e:
         load(moe, tokenizer=False)
-    assert isinstance(e.value, (ConfigError, UnsupportedArchitectureError)), repr(e.value)
+    assert isinstance(e.value, UnsupportedArchitectureError), repr(e.value)
     msg = str(e.value)
     assert "\n" not in msg
-    assert ("intermediate_size" in msg or "is not supported by kiln" in msg), msg
+    assert "mixture-of-experts layers (4 of 4, 8 experts) is not supported by kiln yet" in msg, msg
 
 
 @pytest.mark.parametrize("shape", HYBRIDS)
