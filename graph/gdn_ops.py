@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.graph.dtype import DType
-from kiln.graph.ops import OPS, _as, _like
+from kiln.graph.ops import OPS, _as, _like, _silu
 
 _f32 = np.float32
 CHUNK = 64  # the chunked form's chunk size (HF torch_chunk_gated_delta_rule, FLA)
@@ -40,11 +40,14 @@ def _infer_conv(ins, attrs):
 
 
 @OPS.register("causal_conv1d", inputs=6, inplace={1: 1}, infer=_infer_conv)
-def causal_conv1d(x, conv_state, w, seq_lens, query_start_loc, state_slots):
+def causal_conv1d(x, conv_state, w, seq_lens, query_start_loc, state_slots, *, activation: str = ""):
     """x: [T, C]; conv_state: [NS, C, K-1] (written in place); w: [C, 1, K], no bias;
     -> (y [T, C], conv_state). y[t, c] = sum_j w[c, 0, j] * x[t - (K-1) + j, c] within the
     sequence, the K-1 inputs before its first token this step coming from its slot (zeros for
-    a fresh sequence). The slot then holds the sequence's last K-1 inputs (spec 6.2, 6.9)."""
+    a fresh sequence). The slot then holds the sequence's last K-1 inputs (spec 6.2, 6.9).
+    activation "silu" (passes/fuse_conv_silu.py): silu of the f32 sum, rounded once."""
+    if activation not in ("", "silu"):
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r}")
     wk = w.reshape(w.shape[0], w.shape[-1]).astype(_f32)  # [C, K]
     k = wk.shape[1]
     y = np.zeros(x.shape, dtype=_f32)
@@ -57,7 +60,7 @@ def causal_conv1d(x, conv_state, w, seq_lens, query_start_loc, state_slots):
             y[q0:q1] += full[j:j + n] * wk[:, j]
         if slot >= 0:
             conv_state[slot] = full[-(k - 1):].T.astype(conv_state.dtype)
-    return _as(y, x), conv_state
+    return _as(_silu(y) if activation else y, x), conv_state
 
 
 # -- gates, l2 norm -------------------------------------------------------------------
@@ -184,6 +187,26 @@ def gated_delta_rule(q, k, v, g, beta, ssm_state, seq_lens, query_start_loc, sta
         if slot >= 0:
             ssm_state[slot] = S
     return _as(out, v), ssm_state
+
+
+def _infer_fused_gdr(ins, attrs):
+    q, k, v, a, b, a_log, dt_bias, state = ins[:8]
+    if tuple(a.shape) != tuple(b.shape) or a.shape[-1] != v.shape[1]:
+        raise ValueError(f"fused_gated_delta_rule: a {list(a.shape)} and b {list(b.shape)} must be [T, Hv] "
+                         f"with v {list(v.shape)}")
+    return _infer_gdr([q, k, v, a, a, state], attrs)
+
+
+@OPS.register("fused_gated_delta_rule", inputs=11, inplace={1: 7}, infer=_infer_fused_gdr)
+def fused_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, ssm_state, seq_lens, query_start_loc, state_slots, *,
+                           q_scale: float, eps: float = 1e-6, chunk_size: int = CHUNK):
+    """gated_delta_rule with its preamble folded in (passes/fold_gdn_gates.py): q, k raw
+    [T, Hk, dk] (the conv's output), l2-normed here (q times q_scale), the gates from a, b,
+    A_log, dt_bias here: the one launch of codegen/triton/gdn.py's kernels. Same numbers as the
+    unfused ops, composed."""
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    return gated_delta_rule(l2norm(q, eps=eps, scale=q_scale), l2norm(k, eps=eps), v, g, beta, ssm_state, seq_lens,
+                            query_start_loc, state_slots, chunk_size=chunk_size)
 
 
 # -- output norm and gates --------------------------------------------------------------

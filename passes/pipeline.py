@@ -11,6 +11,8 @@ from pathlib import Path
 from kiln.graph import Graph
 from kiln.passes.base import Pass
 from kiln.passes.eliminate_dead_code import EliminateDeadCode
+from kiln.passes.fold_gdn_gates import FoldGdnGates
+from kiln.passes.fuse_conv_silu import FuseConvSilu
 from kiln.passes.fuse_add_rmsnorm import FuseAddRmsNorm
 from kiln.passes.fold_cast_into_linear import FoldCastIntoLinear
 from kiln.passes.fuse_attention_preamble import FuseAttentionPreamble
@@ -37,6 +39,8 @@ def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope
         *([FuseGateUpSilu()] if fuse_silu else []),
         FuseAttentionPreamble(),
         *([FuseRopeIntoLinear()] if fuse_rope else []),
+        FuseConvSilu(),
+        FoldGdnGates(),
         FoldCastIntoLinear(),
         EliminateDeadCode(),
     ]

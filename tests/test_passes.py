@@ -84,3 +84,54 @@ def test_fuse_gate_up_silu_only_takes_the_plain_pattern():
     stored = CpuExecutor(fused, w.__getitem__, 1).weights[wt.name]
     np.testing.assert_array_equal(stored, stack_parts([w["gate.weight"], w["up.weight"]], 16)
                                   .astype(stored.dtype))
+
+
+def _hybrid_weights(graph, rng):
+    w = {}
+    for name, shape in graph.checkpoint_weights().items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        w[name] = x * (0.3 if len(shape) == 1 else 1.0 / shape[-1] ** 0.5)
+    return w
+
+
+def test_hybrid_pipeline_fuses_the_gated_deltanet_and_preserves_logits(tmp_path):
+    """The Gated DeltaNet layer after the passes, as --dump-ir shows it: q/k/v, z, b and a in one
+    GEMM (merge_parallel_linears), SiLU inside the conv (fuse_conv_silu), the l2 norms and gates
+    inside the delta rule (fold_gdn_gates); the gated attention's q/k norms, partial rope and KV
+    write in the preamble. The logits of a prefill across two GDN chunks and a decode step stay."""
+    from tests.tiny_models import HYBRID_BASE
+
+    cfg = ModelConfig.from_hf_dict({**HYBRID_BASE, "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4})
+    build = get_graph_builder(cfg.architecture)
+    ref_graph = build(cfg)
+    fused = run_pipeline(build(cfg), dump_dir=tmp_path)
+    ops = Counter(n.op for n in fused.nodes.values())
+    gdn = sum(t == "linear_attention" for t in cfg.layer_types)
+    assert gdn == 3
+    assert ops["fused_gated_delta_rule"] == ops["causal_conv1d"] == gdn
+    assert ops["gated_delta_rule"] == ops["l2norm"] == ops["gdn_gates"] == ops["silu"] == 0
+    assert all(n.attrs["activation"] == "silu" for n in fused.nodes.values() if n.op == "causal_conv1d")
+    assert "model.layers.0.linear_attn.in_proj_qkv+in_proj_z+in_proj_b+in_proj_a.weight" in \
+        {t.name for t in fused.weights if t.parts}
+    assert ops["attention_preamble"] == 1 and ops["rope"] == ops["cache_write"] == 0
+    dumps = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    conv = next(v for k, v in dumps.items() if k.endswith("_fuse_conv_silu.txt"))
+    fold = next(v for k, v in dumps.items() if k.endswith("_fold_gdn_gates.txt"))
+    assert conv.count("silu(") == 0 and "activation=silu" in conv.replace("'", "").replace('"', "")
+    assert fold.count("fused_gated_delta_rule(") == gdn and "l2norm(" not in fold
+    rng = np.random.default_rng(0)
+    weights = _hybrid_weights(ref_graph, rng)
+    run = {}
+    for name, g in (("ref", ref_graph), ("fused", fused)):
+        ex = CpuExecutor(g, weights.__getitem__, 16, num_state_slots=4)
+        prompts = [rng.integers(0, 256, n).tolist() for n in (70, 5)] if name == "ref" else run["prompts"]
+        run.setdefault("prompts", prompts)
+        blocks = [[1, 2, 3, 4, 5], [6]]
+        a = ex.execute(prepare_step([SeqChunk(p, 0, b, state_slot=i + 1) for i, (p, b) in
+                                     enumerate(zip(prompts, blocks))], 16))[g.outputs[0]]
+        nxt = a.argmax(-1)
+        b = ex.execute(prepare_step([SeqChunk([int(t)], len(p), bl, state_slot=i + 1) for i, (t, p, bl) in
+                                     enumerate(zip(nxt, prompts, blocks))], 16))[g.outputs[0]]
+        run[name] = (a, b)
+    for want, got in zip(run["ref"], run["fused"]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
