@@ -34,8 +34,10 @@ from kiln.codegen.triton.pdl import pdl_enter, pdl_step_input
 @triton.jit
 def _norm_rope(src, heads, h0, w_ptr, cos_ptr, sin_ptr, pos, max_pos, eps, offset,
                D: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """src: this token's row of `heads` packed heads. -> (rotated [BLOCK_H, BLOCK_D] f32, offsets, mask)"""
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HS: tl.constexpr):
+    """src: this token's row of `heads` heads, HS elements apart (D: packed; 2 D: the gated
+    attention's q, whose heads interleave with their gates). -> (rotated [BLOCK_H, BLOCK_D] f32,
+    packed offsets, mask)"""
     h = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     HALF: tl.constexpr = ROT // 2
@@ -51,8 +53,8 @@ def _norm_rope(src, heads, h0, w_ptr, cos_ptr, sin_ptr, pos, max_pos, eps, offse
     partner = tl.where(rot, partner, d)
     mask = (h[:, None] < heads) & (d[None, :] < D)
     offs = h[:, None] * D + d[None, :]  # [BLOCK_H, BLOCK_D]
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + h[:, None] * D + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src + h[:, None] * HS + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + h[:, None] * HS + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
         dt = src.dtype.element_ty
         rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_H]
@@ -75,7 +77,9 @@ def attention_preamble_kernel(q_ptr, k_ptr, v_ptr, stride_qt, stride_kt, stride_
                               cache_ptr, stride_cb, stride_ckv, stride_cp, stride_ch, max_pos, eps, offset,
                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                               BS: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                              Q_HS: tl.constexpr = 0):
+    # Q_HS: q's head stride when its heads are not packed (0: D)
     t, hb = tl.program_id(0), tl.program_id(1)
     n_rows = pdl_step_input(n_rows_ptr, PDL)  # step inputs: read before the wait (pdl.py)
     pos = pdl_step_input(positions_ptr + t, PDL)  # (the bucket's T entries: in bounds past n_rows)
@@ -86,14 +90,15 @@ def attention_preamble_kernel(q_ptr, k_ptr, v_ptr, stride_qt, stride_kt, stride_
     NQB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     if hb < NQB:  # q heads [hb * BLOCK_H, ...) -> q_out: [T, H, D]
         y, offs, mask = _norm_rope(q_ptr + t64 * stride_qt, H, hb * BLOCK_H, q_norm_ptr, cos_ptr, sin_ptr, pos,
-                                   max_pos, eps, offset, D, ROT, IS_NEOX, QK_NORM, BLOCK_H, BLOCK_D)
+                                   max_pos, eps, offset, D, ROT, IS_NEOX, QK_NORM, BLOCK_H, BLOCK_D,
+                                   Q_HS if Q_HS else D)
         tl.store(q_out_ptr + t64 * stride_qo + offs, y.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:  # k heads -> cache[blk, 0, off, h, :]; v heads copied to cache[blk, 1, off, h, :]
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             h0 = (hb - NQB) * BLOCK_H
             y, offs, mask = _norm_rope(k_ptr + t64 * stride_kt, HKV, h0, k_norm_ptr, cos_ptr, sin_ptr, pos,
-                                       max_pos, eps, offset, D, ROT, IS_NEOX, QK_NORM, BLOCK_H, BLOCK_D)
+                                       max_pos, eps, offset, D, ROT, IS_NEOX, QK_NORM, BLOCK_H, BLOCK_D, D)
             h = h0 + tl.arange(0, BLOCK_H)
             d = tl.arange(0, BLOCK_D)
             dst = cache_ptr + (slot // BS).to(tl.int64) * stride_cb + (slot % BS) * stride_cp \
@@ -114,7 +119,9 @@ def to_cache(x, CT: tl.constexpr):
 
 
 def attention_preamble_spec(t: int, h: int, hkv: int, d: int, rot: int, bs: int, dtype: str = "bfloat16", *,
-                            is_neox: bool, qk_norm: bool, config: RowConfig, cache_dtype: str | None = None) -> KernelSpec:
+                            is_neox: bool, qk_norm: bool, config: RowConfig, cache_dtype: str | None = None,
+                            q_head_stride: int = 0) -> KernelSpec:
+    """q_head_stride: q's head stride where it is not D (the gated attention's q, 2 D); 0: D."""
     p = sig_type(dtype)
     block_h = min(next_pow2(hkv), 8)
     i32 = lambda *names: {n: "i32" for n in names}
@@ -126,7 +133,7 @@ def attention_preamble_spec(t: int, h: int, hkv: int, d: int, rot: int, bs: int,
                        **i32("stride_cb", "stride_ckv", "stride_cp", "stride_ch", "max_pos"),
                        eps="fp32", offset="fp32"),
         constexprs=dict(H=h, HKV=hkv, D=d, ROT=rot, BS=bs, IS_NEOX=is_neox, QK_NORM=qk_norm, BLOCK_H=block_h,
-                        BLOCK_D=next_pow2(d)),
+                        BLOCK_D=next_pow2(d), **({"Q_HS": q_head_stride} if q_head_stride not in (0, d) else {})),
         grid=(t, cdiv(h, block_h) + cdiv(hkv, block_h)), num_warps=config.num_warps, num_stages=1,
         divisible=("q_ptr", "k_ptr", "v_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "positions_ptr",
                    "slot_ptr", "n_rows_ptr", "q_out_ptr", "cache_ptr"))
@@ -142,7 +149,9 @@ def attention_preamble(q, k, v, cache, positions, slot_mapping, cos, sin, q_norm
     t, h, d = shape_of(q)
     _, _, bs, hkv, _ = shape_of(cache)
     check(h % hkv == 0, f"attention_preamble: H={h} is not a multiple of Hkv={hkv}")
-    for b, name in ((q, "q"), (k, "k"), (v, "v")):
+    # q's heads may be strided (the gated attention's q heads interleave with their gates)
+    check(strides_of(q)[2] == 1 and strides_of(q)[1] >= d, "attention_preamble: q's head dim must be packed")
+    for b, name in ((k, "k"), (v, "v")):
         check_inner_contiguous(b, f"attention_preamble {name}", 2)
         check(dtype_name(b) == dtype_name(q), f"attention_preamble: {name} dtype differs from q")
     check_shape(k, (t, hkv, d), "attention_preamble k")
@@ -170,7 +179,7 @@ def attention_preamble(q, k, v, cache, positions, slot_mapping, cos, sin, q_norm
     n_rows = n_rows if n_rows is not None else as_buf(np.array([t], dtype=np.int32))
     spec = attention_preamble_spec(t, h, hkv, d, rot, bs, dtype_name(q), is_neox=is_neox, qk_norm=qk_norm,
                                    config=config or configs.row("attention_preamble", h * d),
-                                   cache_dtype=dtype_name(cache))
+                                   cache_dtype=dtype_name(cache), q_head_stride=strides_of(q)[1])
     wq, wk = (q_norm_w, k_norm_w) if qk_norm else (q, q)  # unused when QK_NORM is False
     sc = strides_of(cache)
     launch(spec, [q, k, v, strides_of(q)[0], strides_of(k)[0], strides_of(v)[0], wq, wk, cos, sin, positions,
