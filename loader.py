@@ -138,7 +138,8 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
                            bundle_dir=bundle_dir)
     # keep_dtype: bf16 checkpoints go to the GPU without a round trip through f32
     executor = CudaExecutor(bundle, lambda name: source.weights.get(name, keep_dtype=True),
-                            num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size))
+                            num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size),
+                            num_state_slots=max_num_seqs + 1)  # a hybrid's: slot 0 is the null slot
     return LoadedModel(source, graph, executor, tok, block_size)
 
 
@@ -151,9 +152,6 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     entry named are listed in the manifest's "default_configs"."""
     import dataclasses
 
-    if source.config.is_hybrid:
-        raise KilnError(f"{source.config.architecture} (Gated DeltaNet layers) runs on the cpu target only for "
-                        f"now: kiln has no {target} kernels for it yet")
     try:
         import triton  # noqa: F401  (codegen's kernels are Triton's)
 

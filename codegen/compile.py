@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.codegen.buckets import Bucket, make_buckets
-from kiln.codegen.lower import Regions, encode_args, input_layout, lower_bucket
+from kiln.codegen.lower import Regions, encode_args, input_layout, is_hybrid, lower_bucket
 from kiln.codegen.triton.aot import cache_key, compile_specs, default_cache_dir
 from kiln.codegen.triton.configs import DEFAULT, Configs
 from kiln.codegen.triton.sampling import sampler_manifest, sampler_specs
@@ -133,7 +133,7 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     for b, launches in recorded.items():
         plans[b.name] = {
             "bucket": [b.tokens, b.seqs, b.logits, b.decode],
-            "inputs": {n: [off, list(shape)] for n, (off, _, shape) in input_layout(b, mb).items()},
+            "inputs": {n: [off, list(shape)] for n, (off, _, shape) in input_layout(b, mb, is_hybrid(graph)).items()},
             "launches": [[cache_key(spec, target), list(spec.grid), encode_args(spec, args)]
                          for spec, args in launches],
         }

@@ -22,6 +22,7 @@ import numpy as np
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import attention_preamble as k_pre
 from kiln.codegen.triton import gather as k_gather
+from kiln.codegen.triton import gdn as k_gdn
 from kiln.codegen.triton import gemm as k_gemm
 from kiln.codegen.triton import paged_attention_launch as k_attn
 from kiln.codegen.triton import rms_norm as k_norm
@@ -36,6 +37,9 @@ from kiln.runtime.worker.bundle import REGION_SHIFT  # the bundle format's point
 ALIGN = 256
 STEP_INPUTS = ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "query_start_loc",
                "logits_indices", "num_logits")
+# a hybrid model's (Gated DeltaNet layers) one more: each sequence's state slot, before num_logits
+# (the last entry: the executor copies the block up to its end)
+HYBRID_STEP_INPUTS = STEP_INPUTS[:-1] + ("state_slots", "num_logits")
 
 
 SPLIT_KV_MAX_SEQS = 64
@@ -68,20 +72,25 @@ class Regions:
         self.sizes[name] = max(self.sizes.get(name, 0), int(nbytes))
 
 
-def input_layout(bucket: Bucket, mb: int) -> dict[str, tuple[int, str, tuple[int, ...]]]:
+def is_hybrid(graph: Graph) -> bool:
+    return "state_slots" in graph.tensors
+
+
+def input_layout(bucket: Bucket, mb: int, hybrid: bool = False) -> dict[str, tuple[int, str, tuple[int, ...]]]:
     """name -> (byte offset, dtype, shape) of the step inputs of this bucket; all i32."""
     t, s, l_ = bucket.tokens, bucket.seqs, bucket.logits
     shapes = {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "block_table": (s, mb),
-              "seq_lens": (s,), "query_start_loc": (s + 1,), "logits_indices": (l_,), "num_logits": (1,)}
+              "seq_lens": (s,), "query_start_loc": (s + 1,), "logits_indices": (l_,), "num_logits": (1,),
+              "state_slots": (s,)}
     out, off = {}, 0
-    for name in STEP_INPUTS:
+    for name in (HYBRID_STEP_INPUTS if hybrid else STEP_INPUTS):
         out[name] = (off, "i32", shapes[name])
         off += -(-4 * int(np.prod(shapes[name])) // ALIGN) * ALIGN
     return out
 
 
-def input_bytes(bucket: Bucket, mb: int) -> int:
-    lay = input_layout(bucket, mb)
+def input_bytes(bucket: Bucket, mb: int, hybrid: bool = False) -> int:
+    lay = input_layout(bucket, mb, hybrid)
     off, _, shape = lay[STEP_INPUTS[-1]]
     return off + 4 * int(np.prod(shape))
 
@@ -95,7 +104,9 @@ class _Lowerer:
         self.configs, self.arch, self.max_model_len = configs, arch, max_model_len
         self.dims = bucket.dims(mb)
         self.dims["NB"] = 1  # strides of a KV cache do not depend on its block count
-        self.layout = input_layout(bucket, mb)
+        self.dims["NS"] = 1  # nor those of a Gated DeltaNet state on its slot count
+        self.hybrid = is_hybrid(graph)
+        self.layout = input_layout(bucket, mb, self.hybrid)
         self.users: dict[str, list] = {}  # tensor -> consuming nodes (the graph is fixed while lowering)
         for n in graph.nodes.values():
             for t in n.inputs:
@@ -103,7 +114,7 @@ class _Lowerer:
                     self.users.setdefault(t, []).append(n)
         self.partials: dict[str, tuple[Buf, int]] = {}  # GEMM output -> (its unreduced split-K partials, S)
         self.done: set[str] = set()  # nodes another op's launches already computed (op_linear_add's norm)
-        regions.need("inputs", input_bytes(bucket, mb))
+        regions.need("inputs", input_bytes(bucket, mb, self.hybrid))
 
     def state_root(self, name: str) -> str:
         """A state tensor's original name (an updated cache aliases the cache it updated)."""
@@ -341,6 +352,40 @@ class _Lowerer:
                                  self.buf(kw) if kw else None, self.buf(node.outputs[0]),
                                  eps=a.get("eps", 1e-6), offset=a.get("offset", 0.0), is_neox=a["is_neox"],
                                  n_rows=self.n_rows(q), configs=self.configs)
+
+    # -- the hybrids' Gated DeltaNet layers and gated attention (codegen/triton/gdn.py) --------
+    def op_causal_conv1d(self, node) -> None:
+        x, state, w, sl, qsl, slots = node.inputs
+        act = node.attrs.get("activation", "")
+        if act not in ("", "silu"):
+            raise LoweringError(f"{node.name}: no conv kernel for activation {act!r}")
+        k_gdn.causal_conv1d(self.buf(x), self.buf(w), self.buf(state), self.buf(sl), self.buf(qsl), self.buf(slots),
+                            self.buf(node.outputs[0]), silu=act == "silu")
+
+    def op_fused_gated_delta_rule(self, node) -> None:
+        """Decode buckets: the recurrent kernel. Mixed buckets: the chunked kernel for the
+        sequences of several tokens and the recurrent one for the one-token ones, so a decode
+        token has the same bits in either bucket (batch invariance)."""
+        q, k, v, a, b, a_log, dt_bias, state, sl, qsl, slots = (self.buf(t) for t in node.inputs)
+        if node.attrs.get("eps", 1e-6) != 1e-6 or node.attrs.get("chunk_size", k_gdn.CHUNK) != k_gdn.CHUNK:
+            raise LoweringError(f"{node.name}: the GDN kernels take eps 1e-6 and {k_gdn.CHUNK}-token chunks")
+        out = self.buf(node.outputs[0])
+        args = (q, k, v, a, b, a_log, dt_bias, state, sl, qsl, slots, out)
+        scale = node.attrs["q_scale"]
+        if self.bucket.decode:
+            k_gdn.gdn_recurrent(*args, scale=scale)
+        else:
+            k_gdn.gdn_chunked(*args, scale=scale, mixed=True)
+            k_gdn.gdn_recurrent(*args, scale=scale, mixed=True)
+
+    def op_gated_rms_norm(self, node) -> None:
+        x, z, w = node.inputs
+        k_gdn.gated_rms_norm(self.buf(x), self.buf(z), self.buf(w), self.buf(node.outputs[0]), eps=node.attrs["eps"],
+                             n_rows=self.n_rows(x))
+
+    def op_sigmoid_mul(self, node) -> None:
+        x, gate = node.inputs
+        k_gdn.sigmoid_mul(self.buf(x), self.buf(gate), self.buf(node.outputs[0]), n_rows=self.n_rows(x))
 
     def op_paged_attention(self, node) -> None:
         q, cache, bt, sl, qsl = node.inputs

@@ -134,7 +134,18 @@ def test_moe_layers_are_refused_by_name(tmp_path):
         load(tmp_path, tokenizer=False)
 
 
-def test_a_gpu_target_is_refused_until_its_kernels_exist(tmp_path):
-    make_tiny_hybrid(tmp_path, "qwen3_5_causal")
-    with pytest.raises(KilnError, match="cpu target only"):
-        load(tmp_path, target="sm_90", tokenizer=False)
+def test_a_hybrid_checkpoint_compiles_for_the_gpu(tmp_path):
+    """`build.py compile --target sm_90` on a hybrid checkpoint: a bundle whose plans launch the
+    Gated DeltaNet kernels (no GPU needed to compile)."""
+    pytest.importorskip("triton")
+    from kiln.loader import build_graph, compile_model, open_source
+
+    make_tiny_hybrid(tmp_path / "m", "qwen3_5_conditional")
+    source = open_source(tmp_path / "m")
+    graph = build_graph(source.config, target="sm_90")
+    bundle = compile_model(source, graph, target="sm_90", block_size=16, max_model_len=256, max_num_seqs=4,
+                           max_num_batched_tokens=64, bundle_dir=tmp_path / "b")
+    names = {m["name"] for m in bundle.manifest["kernels"].values()}
+    assert {"causal_conv1d_kernel", "gdn_chunked_kernel", "gdn_recurrent_kernel", "gated_rms_norm_kernel",
+            "sigmoid_mul_kernel"} <= names
+    assert (tmp_path / "b" / "manifest.yaml").is_file()

@@ -14,7 +14,11 @@ interpreter against graph/gdn_ops.py's numpy references (tests/codegen/test_gdn_
   u / w, the inter-chunk state and the output.
 - gated_rms_norm: the GDN output's per-head norm times w times silu(z).
 
-Not yet wired into codegen/lower.py: a hybrid model compiles for the cpu target only.
+- sigmoid_mul: the gated attention's output gate, read in place from q_proj's output.
+
+codegen/lower.py launches them (a mixed bucket runs the chunked kernel for its prefills and
+the recurrent one for its one-token sequences, so a decode token's bits do not depend on its
+bucket); tests/codegen/test_lowering_hybrid.py replays a tiny hybrid's plans.
 Layouts: q, k, v are column slices of the conv output [T, conv_dim] (their row stride is
 conv_dim); a, b: [T, Hv]; states: conv [NS, C, K-1], recurrent [NS, Hv, dk, dv] (f32).
 """
@@ -24,16 +28,19 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, dtype_name, launch, next_pow2, shape_of,
+from kiln.codegen.triton.launch import (Buf, KernelSpec, as_buf, cdiv, check, dtype_name, launch, next_pow2, shape_of,
                                         sig_type, strides_of)
+from kiln.codegen.triton.pdl import pdl_enter
 
 CHUNK = 64
 
 
 @triton.jit
 def causal_conv1d_kernel(x_ptr, w_ptr, state_ptr, y_ptr, slots_ptr, seq_lens_ptr, qsl_ptr, stride_x, stride_y,
-                         C: tl.constexpr, KW: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr):
+                         C: tl.constexpr, KW: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr,
+                         PDL: tl.constexpr = False):
     # grid: (S, cdiv(C, BLOCK)); x, y: [T, C]; w: [C, 1, KW]; state: [NS, C, KW - 1]; KW <= 4
+    pdl_enter(PDL)  # before any global access (pdl.py)
     s, pid = tl.program_id(0), tl.program_id(1)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
@@ -85,12 +92,18 @@ def _gates(a_ptr, b_ptr, row, h, A, dtb):
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, o_ptr, slots_ptr,
                          seq_lens_ptr, qsl_ptr, stride_qk, stride_v, stride_ab, stride_o, scale,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr):
-    # grid: (S, HV, cdiv(DV, BV)); one value head's [DK, BV] state slice per program
+                         BK: tl.constexpr, BV: tl.constexpr, SINGLE_ONLY: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    # grid: (S, HV, cdiv(DV, BV)); one value head's [DK, BV] state slice per program.
+    # SINGLE_ONLY: only the sequences with one token this step (a prefill bucket's decodes; the
+    # chunked kernel takes the others), so a decode token has the same bits in every bucket
+    pdl_enter(PDL)  # before any global access (pdl.py)
     s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
     if q1 <= q0:
+        return
+    if SINGLE_ONLY and q1 - q0 != 1:
         return
     ctx = tl.load(seq_lens_ptr + s) - (q1 - q0)
     slot = tl.load(slots_ptr + s).to(tl.int64)
@@ -123,18 +136,25 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
 def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, o_ptr, slots_ptr,
                        seq_lens_ptr, qsl_ptr, stride_qk, stride_v, stride_ab, stride_o, scale,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
-    # grid: (S, HV); BT = the chunk size (64); BV >= DV: the whole head's state per program
-    s, h = tl.program_id(0), tl.program_id(1)
+                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    # grid: (S, HV, cdiv(DV, BV)); BT = the chunk size (64). Every step of the form is
+    # separable over the value columns, so a program owns a [DK, BV] slice of the state (the
+    # K K^T solve is recomputed per slice). SKIP_SINGLE: leave one-token sequences to the
+    # recurrent kernel (SINGLE_ONLY), launched beside this one
+    pdl_enter(PDL)  # before any global access (pdl.py)
+    s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
     n = q1 - q0
     if n <= 0:
         return
+    if SKIP_SINGLE and n == 1:
+        return
     ctx = tl.load(seq_lens_ptr + s) - n
     slot = tl.load(slots_ptr + s).to(tl.int64)
     kh = h // (HV // HK)
-    rk, rv, rt = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BT)
+    rk, rv, rt = tl.arange(0, BK), vb * BV + tl.arange(0, BV), tl.arange(0, BT)
     mk, mv = rk < DK, rv < DV
     sp = state_ptr + slot * (HV * DK * DV) + h * (DK * DV) + rk[:, None] * DV + rv[None, :]
     smask = mk[:, None] & mv[None, :]
@@ -189,10 +209,13 @@ def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, sta
 
 
 @triton.jit
-def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, stride_x, stride_z, stride_y, eps,
-                          HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    # grid: (T, HV); x, y: [T, HV, DV]; z: [T, HV * DV]; w: [DV]
+def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, n_rows_ptr, stride_x, stride_z, stride_y, eps,
+                          HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    # grid: (T, HV); x, y: [T, HV, DV]; z: [T, HV * DV]; w: [DV]; rows from *n_rows_ptr on: padding
+    pdl_enter(PDL)  # before any global access (pdl.py)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if t >= tl.load(n_rows_ptr):
+        return
     r = tl.arange(0, BV)
     m = r < DV
     x = tl.load(x_ptr + t * stride_x + h * DV + r, mask=m, other=0.0).to(tl.float32)
@@ -204,84 +227,169 @@ def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, stride_x, stride_z, stride
     tl.store(y_ptr + t * stride_y + h * DV + r, y.to(dt), mask=m)
 
 
-# -- wrappers ----------------------------------------------------------------------------
+@triton.jit
+def sigmoid_mul_kernel(x_ptr, gate_ptr, y_ptr, n_rows_ptr, stride_gt, stride_gh,
+                       H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    # grid: (T, H); x, y: [T, H, D]; gate: [T, H, D] with row strides (the gated attention's gate
+    # columns of its q projection); y = x * sigmoid(gate), sigmoid rounded to x's dtype first
+    pdl_enter(PDL)  # before any global access (pdl.py)
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if t >= tl.load(n_rows_ptr):
+        return
+    r = tl.arange(0, BD)
+    m = r < D
+    dt = y_ptr.dtype.element_ty
+    x = tl.load(x_ptr + (t * H + h) * D + r, mask=m, other=0.0).to(tl.float32)
+    gt = tl.load(gate_ptr + t * stride_gt + h * stride_gh + r, mask=m, other=0.0).to(tl.float32)
+    sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
+    tl.store(y_ptr + (t * H + h) * D + r, (x * sg).to(dt), mask=m)
 
-def _i32(x) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.int32)
+
+# -- specs and wrappers ----------------------------------------------------------------
+# Wrappers take numpy arrays (the interpreter; outputs allocated here and returned) or Bufs
+# (codegen/lower.py records launches over symbolic pointers; outputs given).
+
+def _meta(x) -> Buf:
+    """A step-input i32 vector: a Buf as it is, anything else as a host i32 array."""
+    return x if isinstance(x, Buf) else as_buf(np.ascontiguousarray(x, dtype=np.int32))
 
 
-def causal_conv1d(x, w, state, seq_lens, query_start_loc, state_slots, *, silu: bool = True, block: int = 128):
-    """x: [T, C]; w: [C, 1, K] (K <= 4); state: [NS, C, K-1] (in place) -> y [T, C] (silu(conv) if silu)."""
+def _out(out, shape, like) -> Buf:
+    return as_buf(out) if out is not None else as_buf(np.empty(shape, dtype=like.dtype))
+
+
+def _unwrap(b):
+    return b.array if getattr(b, "on_host", False) else b
+
+
+def _rows(n_rows, t) -> Buf:
+    return _meta(np.array([t], np.int32) if n_rows is None else n_rows)
+
+
+def causal_conv1d_spec(n_seq: int, c: int, kw: int, dtype: str, state_dtype: str, *, silu: bool,
+                       block: int = 128) -> KernelSpec:
+    return KernelSpec(module=__name__, kernel="causal_conv1d_kernel",
+                      signature=dict(x_ptr=sig_type(dtype), w_ptr=sig_type(dtype), state_ptr=sig_type(state_dtype),
+                                     y_ptr=sig_type(dtype), slots_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
+                                     stride_x="i32", stride_y="i32"),
+                      constexprs=dict(C=c, KW=kw, BLOCK=block, SILU=silu), grid=(n_seq, cdiv(c, block)),
+                      num_warps=4, num_stages=1)
+
+
+def causal_conv1d(x, w, state, seq_lens, query_start_loc, state_slots, out=None, *, silu: bool = True,
+                  block: int = 128):
+    """x: [T, C] (rows may be strided); w: [C, 1, K] (K <= 4); state: [NS, C, K-1] (in place)
+    -> y [T, C] (silu(conv) if silu). One program per (sequence, channel block)."""
     x, w, state = as_buf(x), as_buf(w), as_buf(state)
     t, c = shape_of(x)
     kw = shape_of(w)[-1]
     check(2 <= kw <= 4, f"causal_conv1d: kernel width {kw} (supported: 2..4)")
     check(tuple(shape_of(state)[1:]) == (c, kw - 1), "causal_conv1d: state is not [NS, C, K-1]")
-    y = as_buf(np.empty((t, c), dtype=x.dtype))
-    n_seq = len(seq_lens)
-    spec = KernelSpec(module=__name__, kernel="causal_conv1d_kernel",
-                      signature=dict(x_ptr=sig_type(dtype_name(x)), w_ptr=sig_type(dtype_name(w)),
-                                     state_ptr=sig_type(dtype_name(state)), y_ptr=sig_type(dtype_name(x)),
-                                     slots_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", stride_x="i32",
-                                     stride_y="i32"),
-                      constexprs=dict(C=c, KW=kw, BLOCK=block, SILU=silu), grid=(n_seq, cdiv(c, block)),
-                      num_warps=4, num_stages=1)
-    launch(spec, [x, w, state, y, as_buf(_i32(state_slots)), as_buf(_i32(seq_lens)), as_buf(_i32(query_start_loc)),
-                  strides_of(x)[0], c])
-    return y.array
+    check(strides_of(x)[1] == 1 and strides_of(state)[1:] == (kw - 1, 1), "causal_conv1d: x columns or state strided")
+    y = _out(out, (t, c), x)
+    check(shape_of(y) == (t, c) and strides_of(y) == (c, 1), "causal_conv1d: out must be a packed [T, C]")
+    seq_lens = _meta(seq_lens)
+    spec = causal_conv1d_spec(shape_of(seq_lens)[0], c, kw, dtype_name(x), dtype_name(state), silu=silu, block=block)
+    launch(spec, [x, w, state, y, _meta(state_slots), seq_lens, _meta(query_start_loc), strides_of(x)[0], c])
+    return _unwrap(y)
 
 
-def _gdn_args(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots):
+def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: tuple[str, str, str], *,
+             block_v: int, mixed: bool = False, chunk: int = CHUNK) -> KernelSpec:
+    """form "recurrent" (decode; in a mixed bucket only its one-token sequences) or "chunked"
+    (prefill; in a mixed bucket not the one-token sequences). dtypes: (q/k, v/out, a/b)."""
+    qk, v, ab = (sig_type(d) for d in dtypes)
+    sig = dict(q_ptr=qk, k_ptr=qk, v_ptr=v, a_ptr=ab, b_ptr=ab, alog_ptr="*fp32", dtb_ptr="*fp32",
+               state_ptr="*fp32", o_ptr=v, slots_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", stride_qk="i32",
+               stride_v="i32", stride_ab="i32", stride_o="i32", scale="fp32")
+    bv = min(block_v, next_pow2(dv))
+    cx = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk), BV=bv)
+    if form == "recurrent":
+        cx.update(SINGLE_ONLY=mixed)
+        kernel, warps = "gdn_recurrent_kernel", 4
+    elif form == "chunked":
+        cx.update(BT=chunk, SKIP_SINGLE=mixed)
+        kernel, warps = "gdn_chunked_kernel", 8
+    else:
+        raise ValueError(f"gdn_spec: form {form!r}")
+    return KernelSpec(module=__name__, kernel=kernel, signature=sig, constexprs=cx, grid=(n_seq, hv, cdiv(dv, bv)),
+                      num_warps=warps, num_stages=1)
+
+
+def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out, *, scale,
+         block_v, mixed):
     q, k, v, a, b, state = map(as_buf, (q, k, v, a, b, state))
     t, hv, dv = shape_of(v)
     check(shape_of(q) == shape_of(k) and len(shape_of(q)) == 3, "gdn: q and k must be [T, Hk, dk] alike")
     _, hk, dk = shape_of(q)
     check(hv % hk == 0 and tuple(shape_of(state)[1:]) == (hv, dk, dv), "gdn: heads or state shape disagree")
     check(strides_of(q) == strides_of(k) and strides_of(a) == strides_of(b), "gdn: q/k and a/b strides differ")
-    o = as_buf(np.empty((t, hv, dv), dtype=v.dtype))
-    sig = dict(q_ptr=sig_type(dtype_name(q)), k_ptr=sig_type(dtype_name(k)), v_ptr=sig_type(dtype_name(v)),
-               a_ptr=sig_type(dtype_name(a)), b_ptr=sig_type(dtype_name(b)), alog_ptr="*fp32", dtb_ptr="*fp32",
-               state_ptr="*fp32", o_ptr=sig_type(dtype_name(v)), slots_ptr="*i32", seq_lens_ptr="*i32",
-               qsl_ptr="*i32", stride_qk="i32", stride_v="i32", stride_ab="i32", stride_o="i32", scale="fp32")
-    args = [q, k, v, a, b, as_buf(np.ascontiguousarray(a_log, np.float32)),
-            as_buf(np.ascontiguousarray(dt_bias, np.float32)), state, o, as_buf(_i32(state_slots)),
-            as_buf(_i32(seq_lens)), as_buf(_i32(query_start_loc)), strides_of(q)[0], strides_of(v)[0],
-            strides_of(a)[0], hv * dv, float(dk ** -0.5)]
-    return o, sig, args, dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk)), hv, dv
+    check(strides_of(q)[1:] == (dk, 1) and strides_of(v)[1:] == (dv, 1) and strides_of(a)[1] == 1,
+          "gdn: heads must be packed within a row")
+    check(dtype_name(state) == "float32", "gdn: the recurrent state is f32")
+    o = _out(out, (t, hv, dv), v)
+    check(shape_of(o) == (t, hv, dv) and strides_of(o) == (hv * dv, dv, 1), "gdn: out must be a packed [T, Hv, dv]")
+    seq_lens = _meta(seq_lens)
+    spec = gdn_spec(form, shape_of(seq_lens)[0], hk, hv, dk, dv, (dtype_name(q), dtype_name(v), dtype_name(a)),
+                    block_v=block_v, mixed=mixed)
+    f32 = lambda x: x if isinstance(x, Buf) else as_buf(np.ascontiguousarray(x, np.float32))
+    launch(spec, [q, k, v, a, b, f32(a_log), f32(dt_bias), state, o, _meta(state_slots), seq_lens,
+                  _meta(query_start_loc), strides_of(q)[0], strides_of(v)[0], strides_of(a)[0], hv * dv,
+                  float(dk ** -0.5 if scale is None else scale)])
+    return _unwrap(o)
 
 
-def gdn_recurrent(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, *, block_v: int = 32):
+def gdn_recurrent(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out=None, *,
+                  scale: float | None = None, block_v: int = 32, mixed: bool = False):
     """The fused gates + l2 norms + gated delta rule, token by token (decode). q, k: [T, Hk, dk]
-    (raw, after the conv), v: [T, Hv, dv], a, b: [T, Hv]; state: f32 [NS, Hv, dk, dv] in place."""
-    o, sig, args, cx, hv, dv = _gdn_args(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc,
-                                         state_slots)
-    bv = min(block_v, next_pow2(dv))
-    spec = KernelSpec(module=__name__, kernel="gdn_recurrent_kernel", signature=sig, constexprs=dict(cx, BV=bv),
-                      grid=(len(seq_lens), hv, cdiv(dv, bv)), num_warps=4, num_stages=1)
-    launch(spec, args)
-    return o.array
+    (raw, after the conv; q's norm scaled by `scale`, dk^-0.5 by default), v: [T, Hv, dv], a, b:
+    [T, Hv]; state: f32 [NS, Hv, dk, dv] in place. mixed: only the one-token sequences."""
+    return _gdn("recurrent", q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out,
+                scale=scale, block_v=block_v, mixed=mixed)
 
 
-def gdn_chunked(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, *, chunk: int = CHUNK):
-    """As gdn_recurrent, through the chunked form in `chunk`-token chunks at absolute positions (prefill)."""
-    o, sig, args, cx, hv, dv = _gdn_args(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc,
-                                         state_slots)
-    spec = KernelSpec(module=__name__, kernel="gdn_chunked_kernel", signature=sig,
-                      constexprs=dict(cx, BV=next_pow2(dv), BT=chunk), grid=(len(seq_lens), hv), num_warps=4,
-                      num_stages=1)
-    launch(spec, args)
-    return o.array
+def gdn_chunked(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out=None, *,
+                scale: float | None = None, block_v: int = 64, mixed: bool = False):
+    """As gdn_recurrent, through the chunked form in 64-token chunks at absolute positions
+    (prefill). mixed: leave the one-token sequences to gdn_recurrent(mixed=True)."""
+    return _gdn("chunked", q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out,
+                scale=scale, block_v=block_v, mixed=mixed)
 
 
-def gated_rms_norm(x, z, w, *, eps: float):
-    """x: [T, Hv, dv], z: [T, Hv * dv] (or [T, Hv, dv]), w: [dv] -> [T, Hv, dv] in x's dtype."""
+def gated_rms_norm_spec(t: int, hv: int, dv: int, dtype: str, z_dtype: str) -> KernelSpec:
+    return KernelSpec(module=__name__, kernel="gated_rms_norm_kernel",
+                      signature=dict(x_ptr=sig_type(dtype), z_ptr=sig_type(z_dtype), w_ptr=sig_type(dtype),
+                                     y_ptr=sig_type(dtype), n_rows_ptr="*i32", stride_x="i32", stride_z="i32",
+                                     stride_y="i32", eps="fp32"),
+                      constexprs=dict(HV=hv, DV=dv, BV=next_pow2(dv)), grid=(t, hv), num_warps=4, num_stages=1)
+
+
+def gated_rms_norm(x, z, w, out=None, *, eps: float, n_rows=None):
+    """x: [T, Hv, dv], z: [T, Hv * dv] or [T, Hv, dv] (heads packed, rows strided), w: [dv]
+    -> rms_norm(x) * w * silu(z), [T, Hv, dv] in x's dtype."""
     x, z, w = as_buf(x), as_buf(z), as_buf(w)
     t, hv, dv = shape_of(x)
-    y = as_buf(np.empty((t, hv, dv), dtype=x.dtype))
-    spec = KernelSpec(module=__name__, kernel="gated_rms_norm_kernel",
-                      signature=dict(x_ptr=sig_type(dtype_name(x)), z_ptr=sig_type(dtype_name(z)),
-                                     w_ptr=sig_type(dtype_name(w)), y_ptr=sig_type(dtype_name(x)), stride_x="i32",
-                                     stride_z="i32", stride_y="i32", eps="fp32"),
-                      constexprs=dict(HV=hv, DV=dv, BV=next_pow2(dv)), grid=(t, hv), num_warps=4, num_stages=1)
-    launch(spec, [x, z, w, y, strides_of(x)[0], strides_of(z)[0], hv * dv, float(eps)])
-    return y.array
+    check(strides_of(x) == (hv * dv, dv, 1) and strides_of(z)[-1] == 1, "gated_rms_norm: x packed, z rows")
+    y = _out(out, (t, hv, dv), x)
+    spec = gated_rms_norm_spec(t, hv, dv, dtype_name(x), dtype_name(z))
+    launch(spec, [x, z, w, y, _rows(n_rows, t), hv * dv, strides_of(z)[0], hv * dv, float(eps)])
+    return _unwrap(y)
+
+
+def sigmoid_mul_spec(t: int, h: int, d: int, dtype: str, gate_dtype: str) -> KernelSpec:
+    return KernelSpec(module=__name__, kernel="sigmoid_mul_kernel",
+                      signature=dict(x_ptr=sig_type(dtype), gate_ptr=sig_type(gate_dtype), y_ptr=sig_type(dtype),
+                                     n_rows_ptr="*i32", stride_gt="i32", stride_gh="i32"),
+                      constexprs=dict(H=h, D=d, BD=next_pow2(d)), grid=(t, h), num_warps=1, num_stages=1)
+
+
+def sigmoid_mul(x, gate, out=None, *, n_rows=None):
+    """x: packed [T, H, D]; gate: [T, H, D], its rows and heads strided -> x * sigmoid(gate)."""
+    x, gate = as_buf(x), as_buf(gate)
+    t, h, d = shape_of(x)
+    check(shape_of(gate) == (t, h, d) and strides_of(gate)[-1] == 1 and strides_of(x) == (h * d, d, 1),
+          "sigmoid_mul: x packed [T, H, D], gate [T, H, D] with packed rows")
+    y = _out(out, (t, h, d), x)
+    spec = sigmoid_mul_spec(t, h, d, dtype_name(x), dtype_name(gate))
+    launch(spec, [x, gate, y, _rows(n_rows, t), strides_of(gate)[0], strides_of(gate)[1]])
+    return _unwrap(y)

@@ -32,7 +32,10 @@ ARCH_OF_TARGET = {"sm_90": 90, "sm_121": 121}
 class CudaExecutor:
     def __init__(self, bundle: Bundle, load_weight: Callable[[str], np.ndarray], *, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, use_cuda_graphs: bool = True,
-                 ctx: CudaContext | None = None) -> None:
+                 ctx: CudaContext | None = None, num_state_slots: int | None = None) -> None:
+        """num_state_slots: a hybrid model's Gated DeltaNet state slots (the NS dim of its
+        gdn_* states; slot 0 is the null slot), by default one per sequence the bundle runs at
+        once plus the null one. They are allocated before the KV cache takes what is left."""
         m = bundle.manifest
         self.ctx = ctx or CudaContext()
         want = ARCH_OF_TARGET.get(m["target"])
@@ -51,7 +54,14 @@ class CudaExecutor:
         for name, nbytes in m["region_bytes"].items():  # zeroed: the split-KV merge counters must start at 0
             bases[name] = self.ctx.malloc(nbytes)
             self.ctx.memset(bases[name], nbytes)
-        self.num_blocks = self._alloc_states(m["states"], bases, num_blocks, gpu_memory_utilization)
+        slotted = {n: v for n, v in m["states"].items() if v[1][0] == "NS"}
+        self.num_state_slots = (m["max_num_seqs"] + 1 if num_state_slots is None else num_state_slots) if slotted else 0
+        for name, (dtype, shape) in slotted.items():
+            nbytes = self.num_state_slots * to_numpy(DType(dtype)).itemsize * int(np.prod(shape[1:]))
+            bases[f"state:{name}"] = self.ctx.malloc(nbytes)
+            self.ctx.memset(bases[f"state:{name}"], nbytes)
+        self.num_blocks = self._alloc_states({n: v for n, v in m["states"].items() if n not in slotted}, bases,
+                                             num_blocks, gpu_memory_utilization)
         self.bases = bases
         self.kernels = {k: self.ctx.load_kernel(bundle.kernels[k], meta["name"], meta["num_warps"], meta["shared"],
                                                 meta["n_hidden"], meta.get("global_scratch_size", 0),
@@ -190,6 +200,8 @@ class CudaExecutor:
         qsl = inputs["query_start_loc"]
         put("query_start_loc", qsl, int(qsl[s_live]))  # padded sequences are empty
         put("logits_indices", inputs["logits_indices"], 0)
+        if "state_slots" in views:  # a hybrid's: padded sequences have none
+            put("state_slots", inputs["state_slots"], -1)
         put("num_logits", np.array([len(inputs["logits_indices"])], np.int32), 0)
         off, shape = p["inputs"]["num_logits"]
         return off + 4

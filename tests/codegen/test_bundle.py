@@ -110,3 +110,27 @@ def test_foreign_or_corrupt_bundles_are_refused(tmp_path):
         Bundle.read(tmp_path / "b")
     with pytest.raises(BundleError, match="not a kiln bundle"):
         Bundle.read(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_121"])
+def test_every_bucket_of_a_hybrid_compiles(target):
+    """A tiny Qwen3.5 hybrid (3 Gated DeltaNet layers, 1 gated attention): every bucket's plan
+    has the conv and delta-rule kernels per GDN layer (the chunked one only where prefills run),
+    the step inputs carry the state slots, the GDN states are per slot (NS)."""
+    from tests.tiny_models import HYBRID_BASE
+
+    cfg = ModelConfig.from_hf_dict({**HYBRID_BASE, "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    meta, plans = b.manifest["kernels"], b.manifest["plans"]
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    for p in plans.values():
+        names = [meta[key]["name"] for key, _, _ in p["launches"]]
+        decode = p["bucket"][3]
+        assert names.count("causal_conv1d_kernel") == names.count("gdn_recurrent_kernel") == 3
+        assert names.count("gdn_chunked_kernel") == (0 if decode else 3)
+        assert names.count("gated_rms_norm_kernel") == 3 and names.count("sigmoid_mul_kernel") == 1
+        assert "state_slots" in p["inputs"] and list(p["inputs"])[-1] == "num_logits"
+    states = b.manifest["states"]
+    assert states["gdn_ssm.0"] == ["f32", ["NS", 4, 16, 16]] and states["kv_cache.3"][1][0] == "NB"

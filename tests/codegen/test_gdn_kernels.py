@@ -99,12 +99,44 @@ def test_gated_delta_rule_matches_reference(rng, dtype, form, batch):
     state = (rng.standard_normal((4, HV, DK, DV)) * 0.3).astype(np.float32)
     ref_state = state.copy()
     kernel = gdn.gdn_recurrent if form == "recurrent" else gdn.gdn_chunked
-    kw = dict(block_v=16) if form == "recurrent" else {}  # two value blocks per head
+    kw = dict(block_v=16)  # two value blocks per head
     o = kernel(*ins, state, seq_lens, qsl, slots, **kw)
     ref = _reference(*ins, ref_state, seq_lens, qsl, slots, recurrent=form == "recurrent")
     tol = 2e-2 if dtype == BF16 else 1e-4
     assert_close(o, ref, rtol=tol, what=f"gdn {form} output")
     assert_close(state, ref_state, rtol=tol, what=f"gdn {form} state")
+
+
+def test_mixed_bucket_gives_decode_tokens_the_decode_kernels_bits(rng):
+    """In a bucket mixing prefills and decodes the lowering launches the chunked kernel for the
+    sequences of several tokens and the recurrent one for the one-token sequences (mixed=True):
+    together the reference's numbers, and each decode token gets the same bits as in a decode
+    bucket (the recurrent kernel alone), so its greedy token cannot depend on its batch."""
+    seq_lens, qsl, slots = _batch(*BATCHES["mixed"])
+    ins = _gdn_inputs(rng, BF16, int(qsl[-1]))
+    state = (rng.standard_normal((4, HV, DK, DV)) * 0.3).astype(np.float32)
+    ref_state, alone_state = state.copy(), state.copy()
+    out = np.full((int(qsl[-1]), HV, DV), np.nan, BF16)
+    gdn.gdn_chunked(*ins, state, seq_lens, qsl, slots, out, block_v=16, mixed=True)
+    gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, out, block_v=16, mixed=True)
+    ref = _reference(*ins, ref_state, seq_lens, qsl, slots, recurrent=False)
+    assert_close(out, ref, rtol=2e-2, what="mixed bucket output")
+    assert_close(state, ref_state, rtol=2e-2, what="mixed bucket state")
+    d = 2  # the decode sequence: token 220 after 10 of context, slot 3
+    t0 = int(qsl[d])
+    one = [x[t0:t0 + 1] for x in ins[:5]]
+    alone = gdn.gdn_recurrent(*one, *ins[5:], alone_state, seq_lens[d:d + 1], np.array([0, 1], np.int32),
+                              slots[d:d + 1], block_v=16)
+    assert np.array_equal(alone, out[t0:t0 + 1]) and np.array_equal(alone_state[3], state[3])
+
+
+def test_sigmoid_mul_reads_the_gate_columns_in_place(rng):
+    """The gated attention's gate: columns D..2D of each head of q_proj's [T, H, 2D] output."""
+    t, h, d = 5, 3, 32
+    qg = rand(rng, (t, h, 2 * d))
+    x = rand(rng, (t, h, d))
+    y = gdn.sigmoid_mul(x, qg[:, :, d:])
+    assert_close(y, gdn_ops.sigmoid_mul(x, qg[:, :, d:]), rtol=1e-2, what="sigmoid_mul")
 
 
 def test_chunked_prefill_split_at_chunk_boundaries_is_bit_identical(rng):
