@@ -4,4 +4,5 @@ from kiln.graph.graph import Graph, GraphError  # noqa: F401
 from kiln.graph.op import Node, OpDef, OpRegistry  # noqa: F401
 from kiln.graph.ops import OPS  # noqa: F401
 from kiln.graph import gdn_ops  # noqa: F401,E402  (registers the hybrid models' ops into OPS)
+from kiln.graph import moe_ops  # noqa: F401,E402  (registers the mixture-of-experts ops into OPS)
 from kiln.graph.tensor import Dim, Tensor, TensorKind  # noqa: F401
