@@ -56,7 +56,7 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0  # the depthwise causal conv's width
     norm_offset: float = 0.0  # 1.0: every RMSNorm but the GDN's gated one applies (1 + w)
     attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output
-    # -- MoE (the layer plan knows them; kiln does not run MoE layers yet)
+    # -- MoE (models/moe.py; layer_is_moe says which layers have experts)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -130,6 +130,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
         arch = archs[0]
         hybrid = _hybrid_fields(d, arch, source) if arch in HYBRID_ARCHITECTURES else {}
+        moe = _moe_fields(d, arch, source)
         # Qwen3-Next and Qwen3.5 default partial_rotary_factor to 0.25 "for BC" (spec 1.1)
         theta, scaling, partial = _rope(d, source, default_partial=0.25 if hybrid else 1.0)
         if hybrid and "intermediate_size" not in d:
@@ -153,6 +154,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             **hybrid,
+            **moe,
         )
 
 
@@ -185,18 +187,35 @@ def _hybrid_fields(d: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     if unknown:
         raise ConfigError(f"{source}: layer type {unknown[0]!r} is not one kiln knows "
                           f"(known: {', '.join(LAYER_TYPES)})")
-    moe = {}
-    if d.get("num_experts"):
-        moe = dict(num_experts=_pos_int(d, "num_experts", source),
-                   num_experts_per_tok=_pos_int(d, "num_experts_per_tok", source),
-                   moe_intermediate_size=_pos_int(d, "moe_intermediate_size", source),
-                   shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-                   # qwen3_5_moe removed the field: its router always renormalises (spec 1.1)
-                   norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                   decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
-                   mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
     # HF ignores attn_output_gate: the gate is always on (spec 1.1, pitfall 19)
-    return dict(layer_types=tuple(types), norm_offset=1.0, attn_output_gate=True, **lin, **moe)
+    return dict(layer_types=tuple(types), norm_offset=1.0, attn_output_gate=True, **lin)
+
+
+def _moe_fields(d: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields (spec 1.1, 7.2); {} for a dense model. transformers writes
+    qwen3_moe's expert count as num_local_experts (its attribute_map), the official configs as
+    num_experts."""
+    key = "num_experts" if d.get("num_experts") else "num_local_experts"
+    if not d.get(key):
+        return {}
+    if arch.startswith("Qwen3_5Moe"):
+        norm = True  # qwen3_5_moe removed the field: its router always renormalises
+    else:  # transformers' defaults: Qwen3MoeConfig False, Qwen3NextConfig True
+        norm = bool(d.get("norm_topk_prob", arch != "Qwen3MoeForCausalLM"))
+    only = d.get("mlp_only_layers") or ()
+    if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    experts, k = _pos_int(d, key, source), _pos_int(d, "num_experts_per_tok", source)
+    if k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({k}) is more than the {experts} experts")
+    return dict(num_experts=experts,
+                num_experts_per_tok=k,
+                moe_intermediate_size=_pos_int(d, "moe_intermediate_size", source),
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+                norm_topk_prob=norm,
+                decoder_sparse_step=_pos_int(d, "decoder_sparse_step", source) if d.get("decoder_sparse_step")
+                is not None else 1,
+                mlp_only_layers=tuple(only))
 
 
 def _pos_int(d: Mapping[str, Any], key: str, source: str) -> int:

@@ -12,8 +12,12 @@ into the model's dtype by the attention). Output: logits f32[L, V].
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from kiln.graph import OPS, DType, Graph, Tensor
 from kiln.models.config import ModelConfig
+
+MlpBuilder = Callable[[Graph, ModelConfig, int, Tensor, DType], Tensor]
 
 STEP_INPUTS = {
     "input_ids": ("T",), "positions": ("T",), "slot_mapping": ("T",),
@@ -28,7 +32,9 @@ def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int =
 
 
 def build_decoder(cfg: ModelConfig, *, dtype: DType, block_size: int, qk_norm: bool,
-                  kv_cache_dtype: DType | None = None) -> Graph:
+                  kv_cache_dtype: DType | None = None, mlp: MlpBuilder | None = None) -> Graph:
+    """mlp(g, cfg, layer, x, dtype) -> [T, H]: the layer's MLP (models/moe.py's for Qwen3-MoE);
+    None: the dense SwiGLU MLP."""
     g = Graph(OPS, name=cfg.architecture)
     kv_dtype = DType(kv_cache_dtype or dtype)
     g.attrs.update(block_size=block_size, config_hash=cfg.compute_hash(), kv_cache_dtype=str(kv_dtype))
@@ -36,7 +42,7 @@ def build_decoder(cfg: ModelConfig, *, dtype: DType, block_size: int, qk_norm: b
     embed = g.weight("model.embed_tokens.weight", dtype, (cfg.vocab_size, cfg.hidden_size))
     h = g.call1("embedding", inp["input_ids"], embed, name="embed")
     for i in range(cfg.num_hidden_layers):
-        h = _decoder_layer(g, cfg, i, h, inp, dtype, kv_dtype, block_size, qk_norm)
+        h = _decoder_layer(g, cfg, i, h, inp, dtype, kv_dtype, block_size, qk_norm, mlp)
     # Only the rows that sample need the final norm and the LM head.
     h = g.call1("gather_rows", h, inp["logits_indices"], name="gather_logits_rows")
     h = g.call1("rms_norm", h, g.weight("model.norm.weight", dtype, (cfg.hidden_size,)),
@@ -59,7 +65,7 @@ def _linear(g: Graph, x: Tensor, prefix: str, n_out: int, n_in: int, dtype: DTyp
 
 
 def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dtype: DType, kv_dtype: DType,
-                   block_size: int, qk_norm: bool) -> Tensor:
+                   block_size: int, qk_norm: bool, mlp: MlpBuilder | None) -> Tensor:
     p, n = f"model.layers.{i}", f"layers.{i}"
     H, nh, nkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
@@ -90,6 +96,8 @@ def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dty
     h = g.call1("add", h, o, name=f"{n}.attn_residual")
     x = g.call1("rms_norm", h, g.weight(f"{p}.post_attention_layernorm.weight", dtype, (H,)),
                 eps=eps, name=f"{n}.post_attn_norm")
+    if mlp is not None:
+        return g.call1("add", h, mlp(g, cfg, i, x, dtype), name=f"{n}.mlp_residual")
     I, mb = cfg.intermediate_size, cfg.mlp_bias
     gate = _linear(g, x, f"{p}.mlp.gate_proj", I, H, dtype, mb, f"{n}.gate_proj")
     up = _linear(g, x, f"{p}.mlp.up_proj", I, H, dtype, mb, f"{n}.up_proj")

@@ -19,10 +19,13 @@ import logging
 
 import numpy as np
 
-from kiln.errors import InvalidModelError, UnsupportedArchitectureError
+from kiln.errors import InvalidModelError
 from kiln.graph import OPS, DType, Graph, Tensor
+from kiln.models import moe
 from kiln.models.config import ModelConfig
 from kiln.models.llama import STEP_INPUTS, _linear
+from kiln.models.mapped_weights import MappedWeights
+from kiln.models.moe_weights import expert_weights
 from kiln.models.weights import WeightSource
 
 log = logging.getLogger("kiln.models")
@@ -32,11 +35,6 @@ HYBRID_STEP_INPUTS = {**STEP_INPUTS, "state_slots": ("S",)}
 
 def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int = 16,
                 kv_cache_dtype: DType | None = None) -> Graph:
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.layer_is_moe(i)]
-    if moe:
-        raise UnsupportedArchitectureError(
-            f"{cfg.architecture} with mixture-of-experts layers ({len(moe)} of {cfg.num_hidden_layers}, "
-            f"{cfg.num_experts} experts) is not supported by kiln yet (only dense MLP layers)")
     g = Graph(OPS, name=cfg.architecture)
     kv_dtype = DType(kv_cache_dtype or dtype)
     g.attrs.update(block_size=block_size, config_hash=cfg.compute_hash(), kv_cache_dtype=str(kv_dtype),
@@ -56,7 +54,8 @@ def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int =
         h = g.call1("add", h, o, name=f"{n}.attn_residual")
         x = g.call1("rms_norm", h, g.weight(f"{p}.post_attention_layernorm.weight", dtype, (H,)), eps=eps,
                     offset=off, name=f"{n}.post_attn_norm")
-        h = g.call1("add", h, _mlp(g, cfg, p, n, x, dtype), name=f"{n}.mlp_residual")
+        # the sparse MoE block (with its shared expert) where layer_is_moe, else the dense MLP
+        h = g.call1("add", h, moe.mlp(g, cfg, i, x, dtype), name=f"{n}.mlp_residual")
     h = g.call1("gather_rows", h, inp["logits_indices"], name="gather_logits_rows")
     h = g.call1("rms_norm", h, g.weight("model.norm.weight", dtype, (H,)), eps=eps, offset=off, name="final_norm")
     head = embed if cfg.tie_word_embeddings else g.weight("lm_head.weight", dtype, (cfg.vocab_size, H))
@@ -66,14 +65,6 @@ def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int =
     g.mark_output(logits)
     g.verify()
     return g
-
-
-def _mlp(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DType) -> Tensor:
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    gate = _linear(g, x, f"{p}.mlp.gate_proj", I, H, dtype, False, f"{n}.gate_proj")
-    up = _linear(g, x, f"{p}.mlp.up_proj", I, H, dtype, False, f"{n}.up_proj")
-    act = g.call1("mul", g.call1("silu", gate, name=f"{n}.silu"), up, name=f"{n}.act")
-    return _linear(g, act, f"{p}.mlp.down_proj", H, I, dtype, False, f"{n}.down_proj")
 
 
 def _gated_attention(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tensor, inp: dict, dtype: DType,
@@ -147,24 +138,6 @@ def _gated_deltanet(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tenso
 
 # -- weights: the names of each checkpoint layout -> the graph's (Qwen3_5ForCausalLM's) --------
 
-class MappedWeights(WeightSource):
-    """A weight source under the graph's names over another checkpoint layout: names are
-    renamed (`rename`: graph name -> file name) or derived from several file tensors (`derived`:
-    graph name -> (shape, fn(get) -> array)). Everything else of the file is not visible."""
-
-    def __init__(self, inner: WeightSource, rename: dict[str, str], derived: dict[str, tuple]):
-        shapes = {name: inner.shape(src) for name, src in rename.items()}
-        shapes.update({name: shape for name, (shape, _) in derived.items()})
-        super().__init__(inner.path, shapes)
-        self.inner, self._rename, self._derived = inner, rename, derived
-        self.metadata = getattr(inner, "metadata", None)
-
-    def _load(self, name: str, keep_dtype: bool) -> np.ndarray:
-        if name in self._derived:
-            return self._derived[name][1](lambda src: self.inner.get(src, keep_dtype=keep_dtype))
-        return self.inner.get(self._rename[name], keep_dtype=keep_dtype)
-
-
 def adapt_weights(cfg: ModelConfig, weights: WeightSource) -> WeightSource:
     """The checkpoint's tensors under the graph's names (see the module docstring)."""
     names = list(weights.names())
@@ -185,6 +158,7 @@ def adapt_weights(cfg: ModelConfig, weights: WeightSource) -> WeightSource:
         for i in range(cfg.num_hidden_layers):
             if cfg.layer_type(i) == "linear_attention":
                 derived.update(_deinterleave(cfg, f"model.layers.{i}.linear_attn", rename))
+    derived.update(expert_weights(cfg, rename))  # stacked experts from any layout (models/moe_weights.py)
     return MappedWeights(weights, rename, derived)
 
 

@@ -5,7 +5,7 @@ from typing import Callable
 
 from kiln.errors import UnsupportedArchitectureError
 from kiln.graph import Graph
-from kiln.models import llama, qwen3, qwen3_5
+from kiln.models import llama, moe_weights, qwen3, qwen3_5, qwen3_moe
 
 GraphBuilder = Callable[..., Graph]
 
@@ -15,7 +15,7 @@ ARCHITECTURES: dict[str, GraphBuilder] = {
     "Qwen3_5ForCausalLM": qwen3_5.build_graph,
     "Qwen3_5ForConditionalGeneration": qwen3_5.build_graph,
     "Qwen3NextForCausalLM": qwen3_5.build_graph,
-    # known, so that build_graph refuses their MoE layers by name (the MoE issue adds them)
+    "Qwen3MoeForCausalLM": qwen3_moe.build_graph,
     "Qwen3_5MoeForCausalLM": qwen3_5.build_graph,
     "Qwen3_5MoeForConditionalGeneration": qwen3_5.build_graph,
 }
@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, GraphBuilder] = {
 WEIGHT_ADAPTERS = {arch: qwen3_5.adapt_weights for arch in
                    ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")}
+WEIGHT_ADAPTERS["Qwen3MoeForCausalLM"] = moe_weights.adapt_weights  # stacked experts from any layout
 
 
 def get_graph_builder(architecture: str) -> GraphBuilder:

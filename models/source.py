@@ -11,7 +11,7 @@ from typing import Any
 from kiln.errors import ConfigError, InvalidModelError, ModelNotFoundError
 from kiln.models.config import ModelConfig
 from kiln.models.registry import WEIGHT_ADAPTERS, get_graph_builder
-from kiln.models.weights import GGUFWeights, WeightSource, gguf_to_hf_config, open_weights
+from kiln.models.weights import WeightSource, gguf_to_hf_config, open_weights
 
 
 @dataclass
@@ -24,7 +24,8 @@ class ModelSource:
 
     @property
     def gguf_metadata(self) -> dict[str, Any] | None:
-        return self.weights.metadata if isinstance(self.weights, GGUFWeights) else None
+        # the weights may be a MappedWeights over the GGUF (models/moe_weights.py), which keeps its metadata
+        return getattr(self.weights, "metadata", None) if self.format == "gguf" else None
 
 
 def open_model(path: str | Path) -> ModelSource:

@@ -2,7 +2,7 @@
 loads in transformers (text-only CausalLM and the ConditionalGeneration class the config names)
 with no missing or unexpected text weights and runs, and kiln runs it on CPU with the same greedy
 tokens; the tiny MoE hybrid loads in transformers (per-expert tensors fused at load) and kiln
-refuses it in one sentence; the full-size shapes' tensor names and shapes are the ones
+runs it with transformers' greedy tokens; the full-size shapes' tensor names and shapes are the ones
 transformers builds (on the meta device); --help lists the shapes and --dry-run writes nothing."""
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import pytest
 
 from kiln.bench.make_random_model import (TEXT_PREFIX, checkpoint_bytes, hf_config, make_random_model,
                                           weight_shapes)
-from kiln.errors import KilnError, UnsupportedArchitectureError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -158,17 +157,30 @@ def test_moe_loads_in_transformers_with_the_experts_fused(moe):
         assert torch.equal(cond(torch.tensor([[5, 6, 7, 8, 9, 10, 11]])).logits, logits)
 
 
-def test_moe_is_refused_by_kiln_in_one_sentence(moe):
-    """kiln has no MoE layers yet: models/qwen3_5.build_graph refuses them by name (the config
-    parses although a qwen3_5_moe text_config has no intermediate_size)."""
+def test_moe_runs_in_kiln_with_transformers_greedy_tokens(moe):
+    """The per-expert tensors stacked at load (models/moe_weights.py), the experts and the shared
+    expert in every layer (the config parses although a qwen3_5_moe text_config has no
+    intermediate_size)."""
     from kiln.loader import load
+    from kiln.runtime.worker.generate import greedy_generate
 
-    with pytest.raises(KilnError) as e:
-        load(moe, tokenizer=False)
-    assert isinstance(e.value, UnsupportedArchitectureError), repr(e.value)
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert "mixture-of-experts layers (4 of 4, 8 experts) is not supported by kiln yet" in msg, msg
+    lm = load(moe, tokenizer=False)
+    cfg = lm.source.config
+    assert cfg.architecture == "Qwen3_5MoeForConditionalGeneration" and cfg.num_experts == 8
+    assert all(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)) and cfg.intermediate_size == 0
+    prompts = [[5, 6, 7, 8, 9], list(range(3, 40))]
+    steps: list[np.ndarray] = []
+    ours = greedy_generate(lm.executor, lm.block_size, prompts, max_tokens=6, logits_out=steps)
+    model = _hf_causal(moe)
+    model.config._experts_implementation = "eager"
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        assert ours[i] == ref.sequences[0, len(p):].tolist(), f"greedy tokens differ ({len(p)}-token prompt)"
+        for t, want in enumerate(ref.logits):
+            want = want[0].numpy()
+            assert np.abs(steps[t][i] - want).max() / np.abs(want).max() < 1e-4, (i, t)
 
 
 @pytest.mark.parametrize("shape", HYBRIDS)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kiln.bench.make_random_model import write_tokenizer
-from kiln.errors import ConfigError, InvalidModelError, KilnError, UnsupportedArchitectureError
+from kiln.errors import ConfigError, InvalidModelError, KilnError
 from kiln.loader import load
 from kiln.runtime.worker.generate import greedy_generate
 from tests.tiny_models import HYBRID_VARIANTS, make_tiny_hybrid
@@ -126,12 +126,15 @@ def test_a_checkpoint_missing_a_gdn_weight_is_one_sentence(tmp_path):
     _one_sentence(_generate(tmp_path), "A_log")
 
 
-def test_moe_layers_are_refused_by_name(tmp_path):
+def test_a_moe_config_over_dense_weights_is_one_sentence(tmp_path):
+    """Experts in the config but none in the files (MoE layers themselves: tests/test_moe_models.py)."""
     make_tiny_hybrid(tmp_path, "qwen3_next")
     _edit_config(tmp_path, lambda c: c.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                               shared_expert_intermediate_size=32))
-    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
+    with pytest.raises(InvalidModelError, match="hold no experts for model.layers.0.mlp"):
         load(tmp_path, tokenizer=False)
+    write_tokenizer(tmp_path, 256)
+    _one_sentence(_generate(tmp_path), "no experts")
 
 
 def test_a_hybrid_checkpoint_compiles_for_the_gpu(tmp_path):

@@ -1,0 +1,64 @@
+"""The sparse MoE block of Qwen3-MoE, Qwen3.5/3.6-MoE and Qwen3-Next (../shared/specs/qwen3_5.md
+7.2), shared by the graph builders of models/qwen3_moe.py and models/qwen3_5.py:
+
+    logits   = linear(x, mlp.gate.weight)                     # [T, E]
+    ids, w   = moe_router(logits; k, norm_topk_prob)          # [T, k] each
+    routed   = moe_experts(x, ids, w, experts.gate_up_proj, experts.down_proj)        # [T, H]
+    shared   = sigmoid_mul(MLP_shared(x), linear(x, shared_expert_gate.weight))    # [T, H] * [T, 1]
+    out      = routed + shared                                # the shared expert only where I_s > 0
+
+The router and the shared expert's gate, up and gate-scalar GEMMs are plain linears on the same
+x, so passes/merge_parallel_linears.py stacks them into one GEMM (one read of x).
+
+The experts are graph weights under transformers' stacked names, whatever the checkpoint holds:
+models/moe_weights.py builds them from per-expert or GGUF tensors at load.
+"""
+from __future__ import annotations
+
+from kiln.graph import DType, Graph, Tensor
+from kiln.models.config import ModelConfig
+
+GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H]: each expert's gate rows, then its up rows
+DOWN = "mlp.experts.down_proj"  # [E, H, I]
+
+
+def _linear(g: Graph, x: Tensor, name: str, n_out: int, n_in: int, dtype: DType, node: str) -> Tensor:
+    return g.call1("linear", x, g.weight(name, dtype, (n_out, n_in)), name=node)
+
+
+def dense_mlp(g: Graph, x: Tensor, p: str, n: str, width: int, hidden: int, dtype: DType) -> Tensor:
+    """down(silu(gate(x)) * up(x)) with weights {p}.gate_proj/up_proj [width, H], down_proj [H, width]
+    (node names {n}.gate_proj, ... as the dense decoders name theirs)."""
+    gate = _linear(g, x, f"{p}.gate_proj.weight", width, hidden, dtype, f"{n}.gate_proj")
+    up = _linear(g, x, f"{p}.up_proj.weight", width, hidden, dtype, f"{n}.up_proj")
+    act = g.call1("mul", g.call1("silu", gate, name=f"{n}.silu"), up, name=f"{n}.act")
+    return _linear(g, act, f"{p}.down_proj.weight", hidden, width, dtype, f"{n}.down_proj")
+
+
+def moe_block(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DType) -> Tensor:
+    """The layer's MoE MLP on x [T, H] -> [T, H]; p: the layer's weight prefix (model.layers.{i}),
+    n: its node prefix (layers.{i})."""
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    logits = _linear(g, x, f"{p}.mlp.gate.weight", E, H, dtype, f"{n}.router")  # [T, E]
+    ids, weights = g.call("moe_router", [logits], name=f"{n}.topk", top_k=cfg.num_experts_per_tok,
+                          renormalize=cfg.norm_topk_prob)
+    w13 = g.weight(f"{p}.{GATE_UP}", dtype, (E, 2 * I, H))
+    w2 = g.weight(f"{p}.{DOWN}", dtype, (E, H, I))
+    y = g.call1("moe_experts", x, ids, weights, w13, w2, name=f"{n}.experts")
+    ish = cfg.shared_expert_intermediate_size
+    if not ish:
+        return y
+    shared = dense_mlp(g, x, f"{p}.mlp.shared_expert", f"{n}.shared_expert", ish, H, dtype)
+    sg = _linear(g, x, f"{p}.mlp.shared_expert_gate.weight", 1, H, dtype, f"{n}.shared_expert_gate")  # [T, 1]
+    # sigmoid rounded to the activation dtype, then the product (HF: F.sigmoid(gate(x)) * out, bf16)
+    shared = g.call1("sigmoid_mul", shared, sg, name=f"{n}.shared_expert_scale")
+    return g.call1("add", y, shared, name=f"{n}.moe_out")
+
+
+def mlp(g: Graph, cfg: ModelConfig, i: int, x: Tensor, dtype: DType) -> Tensor:
+    """Layer i's MLP: the MoE block where cfg.layer_is_moe(i) (decoder_sparse_step, mlp_only_layers),
+    else the dense one of intermediate_size."""
+    p, n = f"model.layers.{i}", f"layers.{i}"
+    if cfg.layer_is_moe(i):
+        return moe_block(g, cfg, p, n, x, dtype)
+    return dense_mlp(g, x, f"{p}.mlp", n, cfg.intermediate_size, cfg.hidden_size, dtype)

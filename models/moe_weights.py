@@ -1,0 +1,81 @@
+"""Expert weights in every layout users have, as the two stacked graph weights of each MoE layer
+(models/moe.py): `{p}.mlp.experts.gate_up_proj` [E, 2I, H] and `{p}.mlp.experts.down_proj` [E, H, I].
+
+  stacked (transformers' in-memory layout, which save_pretrained(save_original_format=False)
+      writes): experts.gate_up_proj [E, 2I, H] (gate rows, then up rows), experts.down_proj
+      [E, H, I]; read as they are.
+  per expert (the official checkpoints, and what save_pretrained writes by default):
+      experts.{e}.gate_proj.weight [I, H], up_proj [I, H], down_proj [H, I]; stacked at load.
+  GGUF (llama.cpp's ffn_{gate,up,down}_exps, named by models/gguf_weights.py):
+      experts.gate_proj.weight [E, I, H], experts.up_proj.weight [E, I, H],
+      experts.down_proj.weight [E, H, I]; gate and up concatenated along the rows at load.
+
+The result is one array per weight, so an executor uploads one buffer per layer and never E.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.errors import InvalidModelError
+from kiln.models.config import ModelConfig
+from kiln.models.moe import DOWN, GATE_UP
+from kiln.models.mapped_weights import MappedWeights
+from kiln.models.weights import WeightSource
+
+
+def expert_weights(cfg: ModelConfig, rename: dict[str, str], prefix: str = "model.layers") -> dict[str, tuple]:
+    """Derived weights (graph name -> (shape, fn(get) -> array), as models/qwen3_5.py's
+    MappedWeights takes them) for the stacked expert weights the file does not hold as such.
+    rename maps graph names to file names; the per-expert and GGUF names it consumes are
+    removed from it, so only the stacked weights are visible."""
+    derived: dict[str, tuple] = {}
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_is_moe(i):
+            derived.update(_layer(cfg, f"{prefix}.{i}", rename))
+    return derived
+
+
+def _layer(cfg: ModelConfig, p: str, rename: dict[str, str]) -> dict[str, tuple]:
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    gate_up, down = f"{p}.{GATE_UP}", f"{p}.{DOWN}"
+    out: dict[str, tuple] = {}
+    per = [[rename.pop(f"{p}.mlp.experts.{e}.{w}_proj.weight", None) for e in range(E)]
+           for w in ("gate", "up", "down")]
+    exps = [rename.pop(f"{p}.mlp.experts.{w}_proj.weight", None) for w in ("gate", "up", "down")]
+    for w, names in zip(("gate", "up", "down"), per):
+        if any(names) and not all(names):
+            e = names.index(None)
+            raise InvalidModelError(f"weight {p}.mlp.experts.{e}.{w}_proj.weight is missing from the model files")
+    if gate_up not in rename:
+        if all(per[0]) and all(per[1]):
+            # [E, 2I, H]: expert e's rows are its gate [I, H] then its up [I, H]
+            out[gate_up] = ((E, 2 * I, H), lambda get, g=per[0], u=per[1]: np.stack(
+                [np.concatenate([_check(get, a, (I, H)), _check(get, b, (I, H))]) for a, b in zip(g, u)]))
+        elif exps[0] and exps[1]:
+            out[gate_up] = ((E, 2 * I, H), lambda get, g=exps[0], u=exps[1]: np.concatenate(
+                [_check(get, g, (E, I, H)), _check(get, u, (E, I, H))], axis=1))
+        else:
+            raise InvalidModelError(f"the model files hold no experts for {p}.mlp (neither {gate_up!r}, nor "
+                                    f"per-expert {p}.mlp.experts.{{e}}.gate_proj/up_proj, nor GGUF ffn_gate_exps)")
+    if down not in rename:
+        if all(per[2]):
+            out[down] = ((E, H, I), lambda get, d=per[2]: np.stack([_check(get, a, (H, I)) for a in d]))
+        elif exps[2]:
+            rename[down] = exps[2]
+        else:
+            raise InvalidModelError(f"the model files hold no expert down projections for {p}.mlp "
+                                    f"(neither {down!r} nor per-expert down_proj nor GGUF ffn_down_exps)")
+    return out
+
+
+def adapt_weights(cfg: ModelConfig, weights: WeightSource) -> WeightSource:
+    """Qwen3MoeForCausalLM: the checkpoint's names are the graph's, but for the experts."""
+    rename = {nm: nm for nm in weights.names()}
+    return MappedWeights(weights, rename, expert_weights(cfg, rename))
+
+
+def _check(get, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    w = get(name)
+    if tuple(w.shape) != shape:
+        raise InvalidModelError(f"weight {name!r} has shape {list(w.shape)}, the config implies {list(shape)}")
+    return w
