@@ -49,6 +49,19 @@ def _last_logits(model, p):
         return model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu().numpy()
 
 
+def bf16_errors(ours, prompts, hf32, hf16):
+    """-> (kiln's, transformers' bf16) max relative errors of each prompt's last logits against
+    transformers' f32 truth; ours: kiln's last-position logits, a row per prompt."""
+    assert np.isfinite(ours).all()
+    err_kiln, err_hf = [], []
+    for i, p in enumerate(prompts):
+        truth = _last_logits(hf32, p)
+        scale = np.abs(truth).max()
+        err_kiln.append(np.abs(ours[i] - truth).max() / scale)
+        err_hf.append(np.abs(_last_logits(hf16, p) - truth).max() / scale)
+    return err_kiln, err_hf
+
+
 def test_prefill_logits_within_bf16_tolerance(tiny):
     """bf16 tolerance, measured: kiln's error against the f32 truth is no worse than
     transformers' own bf16 CUDA path's error against the same truth."""
@@ -58,13 +71,7 @@ def test_prefill_logits_within_bf16_tolerance(tiny):
     free = iter(range(1, lm.executor.num_blocks))
     chunks = [SeqChunk(p, 0, [next(free) for _ in range(-(-len(p) // 16))]) for p in prompts]
     ours = lm.executor.execute(prepare_step(chunks, 16))["logits"]  # the last position of each prompt
-    assert np.isfinite(ours).all()
-    err_kiln, err_hf = [], []
-    for i, p in enumerate(prompts):
-        truth = _last_logits(hf32, p)
-        scale = np.abs(truth).max()
-        err_kiln.append(np.abs(ours[i] - truth).max() / scale)
-        err_hf.append(np.abs(_last_logits(hf16, p) - truth).max() / scale)
+    err_kiln, err_hf = bf16_errors(ours, prompts, hf32, hf16)
     print(f"\n[{name}] max relative logit error vs f32: kiln bf16 {max(err_kiln):.2e}, "
           f"transformers bf16 {max(err_hf):.2e}")
     assert max(err_kiln) <= 1.5 * max(err_hf) + 1e-3
