@@ -34,13 +34,15 @@ class FakeSamplingParams:
 def create_scheduler(num_blocks: int = 100, block_size: int = 16, max_num_batched_tokens: int = 2048,
                      max_num_seqs: int = 16, max_model_len: int = 1024, enable_prefix_caching: bool = True,
                      enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                     policy: str = "fcfs", num_state_slots: int = 0) -> Scheduler:
-    """num_state_slots > 0: a hybrid model's two groups (attention blocks, state slots)."""
+                     policy: str = "fcfs", num_state_slots: int = 0, num_state_snapshots: int = 0) -> Scheduler:
+    """num_state_slots > 0: a hybrid model's two groups (attention blocks, state slots), of
+    which num_state_snapshots slots are for prefix-cache snapshots."""
     sc = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                          long_prefill_token_threshold=long_prefill_token_threshold, policy=policy)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    kv = (hybrid_config(num_blocks, block_size, 1, 1, "bf16", num_state_slots, (4, 3), (2, 4, 4), "bf16")
+    kv = (hybrid_config(num_blocks, block_size, 1, 1, "bf16", num_state_slots, (4, 3), (2, 4, 4), "bf16",
+                        num_state_snapshots=num_state_snapshots)
           if num_state_slots else full_attention_config(num_blocks, block_size))
     return Scheduler(sc, kv, cc)
 
@@ -78,16 +80,30 @@ class FakeRunner:
         self.kv: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id written there
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
+        # A hybrid model's state slots: slot -> the tokens its state has consumed (a recurrence
+        # over them); a request's slot, from the second group's block ids.
+        self.state: dict[int, tuple[int, ...]] = {}
+        self.slot: dict[str, int] = {}
+        self.num_restores = 0  # state restores made (prefix-cache hits of a hybrid)
+
+    def _copy_states(self, copies) -> None:
+        for src, dst in copies:
+            self.state[dst] = self.state.get(src)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tokens.pop(rid, None)
             self.blocks.pop(rid, None)
+            self.slot.pop(rid, None)
+        self._copy_states(out.state_restores)
+        self.num_restores += len(out.state_restores)
         start: dict[str, int] = {}
         for nr in out.scheduled_new_reqs:
             assert nr.req_id not in self.tokens, f"{nr.req_id} sent as new twice"
             self.tokens[nr.req_id] = list(nr.prompt_token_ids)
             self.blocks[nr.req_id] = list(nr.block_ids[0])
+            if len(nr.block_ids) > 1:
+                self.slot[nr.req_id] = nr.block_ids[1][0]
             start[nr.req_id] = nr.num_computed_tokens
         c = out.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
@@ -95,6 +111,8 @@ class FakeRunner:
                 assert rid not in self.tokens, f"resumed {rid} was not dropped at preemption"
                 self.tokens[rid] = list(c.all_token_ids[rid])
                 self.blocks[rid] = list(c.new_block_ids[i][0])
+                if len(c.new_block_ids[i]) > 1:
+                    self.slot[rid] = c.new_block_ids[i][1][0]
             else:
                 assert rid in self.tokens, f"cached {rid} unknown to the runner"
                 if rid in c.all_token_ids:
@@ -113,6 +131,17 @@ class FakeRunner:
             assert len(blocks) * bs >= s + n, f"{rid}: {len(blocks)} blocks for {s + n} tokens"
             for pos in range(s, s + n):
                 self.kv[blocks[pos // bs], pos % bs] = toks[pos]
+        # The recurrent state: a chunk starting past 0 must find its slot holding exactly the
+        # tokens before it (a wrong snapshot restored, a slot shared or freed early all show).
+        for rid, n in out.num_scheduled_tokens.items():
+            if rid in self.slot:
+                s, slot = start[rid], self.slot[rid]
+                if s:
+                    got = self.state.get(slot)
+                    assert got == tuple(self.tokens[rid][:s]), \
+                        f"{rid}: slot {slot} holds the state of {got}, expected its first {s} tokens"
+                self.state[slot] = tuple(self.tokens[rid][:s + n])
+        self._copy_states(out.state_saves)
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             toks, blocks, s = self.tokens[rid], self.blocks[rid], start[rid]

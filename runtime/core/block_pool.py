@@ -138,6 +138,12 @@ class BlockPool:
             keyed.append((key, block))
         self.cached_block_hash_to_block.insert_all(keyed)
 
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, kv_cache_group_id: int) -> None:
+        """Give one block a hash and make it findable (a hybrid's state snapshot)."""
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        block.block_hash = key
+        self.cached_block_hash_to_block.insert_all(((key, block),))
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop num_blocks free blocks (LRU first), evicting their cached hashes.
         The caller checks `get_num_free_blocks()` first; asking for more raises."""

@@ -152,12 +152,14 @@ class KVCacheManager:
             return None
         if any(hits):
             assert self.enable_caching, "prefix-cache hits while prefix caching is off"
-            self.block_pool.touch(hits)
+            self.coordinator.touch(hits)
         self.coordinator.save_new_computed_blocks(rid, hits)
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
         if self.enable_caching:
             # Speculative/lookahead tokens are not final: never publish them.
             self.coordinator.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+            if self.coordinator.state_pool is not None:
+                self.coordinator.snapshot_states(request, num_computed_tokens, num_computed_tokens + num_new_tokens)
         if room is not None:
             self._set_room(rid)
         return KVCacheBlocks(new_blocks)
@@ -185,9 +187,15 @@ class KVCacheManager:
         if self.slot_room is not None:
             self.slot_room.pop(request.request_id, None)
 
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """A hybrid model's state-slot copies (source, destination) for the step being output:
+        (prefix-cache snapshots restored before its forward, snapshots saved after it); empty
+        for other models."""
+        return self.coordinator.take_state_copies() if self.coordinator.state_pool is not None else ([], [])
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; fails (False) while any request holds blocks."""
-        if not self.block_pool.reset_prefix_cache():
+        if not self.coordinator.reset_prefix_cache():
             return False
         self.prefix_cache_stats.reset = True
         return True

@@ -21,6 +21,10 @@ from kiln.runtime.core.kv_cache_utils import cdiv
 # Bytes per element of the cache dtypes, named as kiln.graph.dtype.DType names
 # them. Kept here so the scheduler's import stays pure Python (kiln.graph
 # pulls in numpy, ml_dtypes and networkx).
+# The Gated DeltaNet chunked form's chunk (graph/gdn_ops.py CHUNK): hybrid prefill chunks end on
+# its multiples (runtime/core/scheduler.py), and prefix-cache state snapshots sit on them.
+GDN_CHUNK_ALIGN = 64
+
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "fp8e4m3": 1, "u8": 1}
 
 
@@ -116,11 +120,16 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_groups: tuple[KVCacheGroupSpec, ...]
     num_state_slots: int = 0  # a MambaSpec group's pool: slots 1..num_state_slots (0 is the null slot)
+    # of those, how many are there for prefix-cache snapshots (the others: one per running request)
+    num_state_snapshots: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
         if any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups) and self.num_state_slots < 1:
             raise ValueError("a config with a state (MambaSpec) group needs num_state_slots >= 1")
+        if not 0 <= self.num_state_snapshots < max(self.num_state_slots, 1):
+            raise ValueError(f"num_state_snapshots ({self.num_state_snapshots}) must leave running slots "
+                             f"out of num_state_slots ({self.num_state_slots})")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}")
         if not self.kv_cache_groups:
@@ -135,17 +144,27 @@ class KVCacheConfig:
             raise NotImplementedError(f"KV cache groups with different block sizes: {sorted(sizes)}")
         return sizes.pop()
 
+    @property
+    def state_snapshot_interval(self) -> int:
+        """Tokens between a hybrid model's state snapshots (prefix caching): the least multiple
+        of the block size and of the Gated DeltaNet chunk (GDN_CHUNK_ALIGN), so a hit resumes on
+        a whole block and at a chunk boundary of absolute positions. 0 without a state group."""
+        if not any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups):
+            return 0
+        return math.lcm(GDN_CHUNK_ALIGN, self.block_size)
+
 
 def hybrid_config(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: str,
                   num_state_slots: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
-                  conv_dtype: str, ssm_dtype: str = "f32", num_gdn_layers: int = 1) -> KVCacheConfig:
+                  conv_dtype: str, ssm_dtype: str = "f32", num_gdn_layers: int = 1,
+                  num_state_snapshots: int = 0) -> KVCacheConfig:
     """Two groups: the full-attention layers' blocks, and the Gated DeltaNet layers' state
-    slots (one per running request)."""
+    slots (one per running request, plus num_state_snapshots for prefix-cache snapshots)."""
     attn = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     state = MambaSpec(block_size=block_size, conv_shape=tuple(conv_shape), ssm_shape=tuple(ssm_shape),
                       conv_dtype=conv_dtype, ssm_dtype=ssm_dtype, num_layers=num_gdn_layers)
     return KVCacheConfig(num_blocks=num_blocks, num_state_slots=num_state_slots,
-                         kv_cache_groups=(KVCacheGroupSpec((), attn), KVCacheGroupSpec((), state)))
+                         num_state_snapshots=num_state_snapshots, kv_cache_groups=(KVCacheGroupSpec((), attn), KVCacheGroupSpec((), state)))
 
 
 def full_attention_config(num_blocks: int, block_size: int, num_kv_heads: int = 1, head_size: int = 1,

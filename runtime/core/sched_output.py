@@ -111,6 +111,11 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished since the previous step: runner frees their state
     preempted_req_ids: set[str]  # preempted in this step: they come back later as resumed
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # unused yet
+    # A hybrid model's state-slot copies (source slot, destination slot), each list in order
+    # (runtime/core/single_type_kv_cache_manager.py MambaManager): prefix-cache snapshots
+    # restored into slots before this step's forward, and slots saved as snapshots after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kiln.runtime.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kiln.runtime.core.kv_cache_spec import KVCacheConfig, MambaSpec
+from kiln.runtime.core.kv_cache_spec import GDN_CHUNK_ALIGN, KVCacheConfig, MambaSpec
 from kiln.runtime.core.kv_cache_utils import get_request_block_hasher
 from kiln.runtime.core.request import Request, RequestStatus
 from kiln.runtime.core.request_queue import SchedulingPolicy, create_request_queue
@@ -81,7 +81,6 @@ _PREEMPTED = int(RequestStatus.PREEMPTED)  # every status above it is a finished
 # tests/runtime/core/test_scheduler_hybrid.py checks against this, and of the kernel in
 # codegen/triton/gdn.py). Written out here so this module stays pure Python (kiln.graph pulls
 # in numpy).
-GDN_CHUNK_ALIGN = 64
 
 
 def prefill_chunk_align(kv_cache_config: KVCacheConfig) -> int:
@@ -90,6 +89,16 @@ def prefill_chunk_align(kv_cache_config: KVCacheConfig) -> int:
     if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
         return GDN_CHUNK_ALIGN
     return 0
+
+
+def _snapshot_split(start: int, num_new: int, num_tokens: int, interval: int) -> int:
+    """A hybrid's prefill chunk [start, start + num_new) that crosses the request's last
+    state-snapshot boundary (the last multiple of `interval` in its num_tokens) stops there,
+    so that the state there is snapshotted for the prefix cache; the rest comes next step.
+    vLLM's Scheduler._mamba_block_aligned_split does the same ("force to cache the last
+    chunk")."""
+    last = num_tokens - num_tokens % interval
+    return last - start if start < last < start + num_new else num_new
 
 
 def _gdn_aligned_chunk(start: int, num_new: int, align: int) -> int:
@@ -156,6 +165,12 @@ class Scheduler:
         # Hybrid models: a prefill chunk short of its request's end ends on a multiple of this
         # (0: any end; every model without a Gated DeltaNet state group).
         self.prefill_chunk_align = prefill_chunk_align(kv_cache_config)
+        # With prefix caching, a hybrid's state is snapshotted where a prefill chunk ends on a
+        # multiple of this (0: no snapshots); chunks end on its multiples (a multiple of the
+        # GDN chunk too), and the last one before the request's end is always a chunk end.
+        self.snapshot_interval = kv_cache_config.state_snapshot_interval if enable_caching else 0
+        if self.snapshot_interval:
+            self.prefill_chunk_align = self.snapshot_interval
 
     # ------------------------------------------------------------------ requests
 
@@ -250,7 +265,7 @@ class Scheduler:
         room_of = room.get if room is not None else None
         cap_rows = self.max_num_logits_rows is not None
         async_sched = self.async_scheduling
-        align = self.prefill_chunk_align
+        align, snap = self.prefill_chunk_align, self.snapshot_interval
         running, scheduled = self.running, step.running_reqs
         num_scheduled = step.num_scheduled_tokens
         req_index = 0
@@ -282,6 +297,8 @@ class Scheduler:
                 # A hybrid's chunk short of the request's end (after every other cap): cut to
                 # a Gated DeltaNet chunk boundary.
                 num_new = _gdn_aligned_chunk(computed, num_new, align)
+            if snap and num_new > 1:
+                num_new = _snapshot_split(computed, num_new, len(request.all_token_ids), snap)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -371,6 +388,8 @@ class Scheduler:
                 # A hybrid's chunk short of the request's end, from where any prefix hit ends:
                 # cut to a Gated DeltaNet chunk boundary (absolute positions).
                 num_new = _gdn_aligned_chunk(num_computed, num_new, self.prefill_chunk_align)
+            if self.snapshot_interval and num_new > 1:
+                num_new = _snapshot_split(num_computed, num_new, request.num_tokens, self.snapshot_interval)
             new_blocks = kv.allocate_slots(request, num_new, num_computed, hit_blocks)
             if new_blocks is None:
                 break  # head-of-line: later requests wait too (FCFS order is kept)
@@ -396,6 +415,7 @@ class Scheduler:
                                     if self.running else [0] * num_groups)
         new_reqs = [NewRequestData.from_request(r, step.new_blocks[r.request_id].get_block_ids())
                     for r in step.new_reqs]
+        restores, saves = self.kv_cache_manager.take_state_copies()
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData.from_requests(
@@ -406,6 +426,7 @@ class Scheduler:
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted_reqs},
+            state_restores=restores, state_saves=saves,
         )
         self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
         # Advance after building the output (it carries the pre-step counts),

@@ -187,3 +187,56 @@ def test_resumed_and_crowded_requests_keep_the_rule():
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert r.output_token_ids == [fake_token(r.request_id, r.num_prompt_tokens + k) for k in range(12)]
+
+
+# -- prefix caching: state snapshots (MambaManager) ----------------------------------------
+
+def _caching(**kw) -> Scheduler:
+    kw.setdefault("num_state_slots", 6)
+    kw.setdefault("num_state_snapshots", 2)
+    return create_scheduler(enable_prefix_caching=True, **kw)
+
+
+def test_the_chunk_before_the_last_snapshot_boundary_ends_there_and_is_saved():
+    """A 150-token prompt with a 2,048 budget runs as 128 + 22 (vLLM's "force to cache the last
+    chunk"), and the slot after the first chunk is saved into a snapshot block after that
+    step's forward."""
+    s = _caching()
+    assert s.snapshot_interval == 64
+    s.add_request(make_request("a", list(range(1, 151)), max_tokens=2))
+    out = s.schedule()
+    assert out.num_scheduled_tokens["a"] == 128 and not out.state_restores
+    slot = out.scheduled_new_reqs[0].block_ids[1][0]
+    (save,) = out.state_saves
+    assert save[0] == slot and save[1] != slot
+    s.update_from_output(out, _output(out))
+    out = s.schedule()
+    assert out.num_scheduled_tokens["a"] == 22 and not out.state_saves  # 150 is no boundary
+
+
+def test_a_hit_restores_the_snapshot_into_a_fresh_slot_after_it_was_written():
+    """b shares a's first 140 tokens and arrives with it: in the step that saves a's snapshot
+    (after its forward) b cannot resume from it, so it waits a step, then starts at 128 with
+    the snapshot restored into its own slot before the forward."""
+    s = _caching()
+    s.add_request(make_request("a", list(range(1, 151)), max_tokens=8))
+    s.add_request(make_request("b", list(range(1, 141)) + [999] * 10, max_tokens=2))
+    first = s.schedule()
+    assert list(first.num_scheduled_tokens) == ["a"]
+    (save,) = first.state_saves
+    s.update_from_output(first, _output(first))
+    out = s.schedule()
+    assert _starts(out)["b"] == 128  # the attention blocks and the snapshot of 128 tokens
+    new_b = next(n for n in out.scheduled_new_reqs if n.req_id == "b")
+    assert out.state_restores == [(save[1], new_b.block_ids[1][0])]
+    assert new_b.block_ids[1][0] != save[1]
+
+
+def test_snapshots_never_take_the_slots_of_requests_still_to_come():
+    """With 2 running slots and no snapshot slot, prefills on boundaries take no snapshot."""
+    s = _caching(num_state_slots=2, num_state_snapshots=0, max_num_seqs=2)
+    for rid in "ab":
+        s.add_request(make_request(rid, [ord(rid)] * 130, max_tokens=1))
+    out = s.schedule()
+    assert set(out.num_scheduled_tokens) == {"a", "b"} and not out.state_saves
+

@@ -22,6 +22,8 @@ from tests.sched_fakes import EOS, FakeRunner, create_scheduler, fake_token, mak
 EOS_EVERY = 7
 # Three shared stems; a prompt is a slice of one plus its own tail.
 STEMS = [[1000 * (k + 1) + j for j in range(48)] for k in range(3)]
+# Longer ones for a hybrid's prefix cache, whose state snapshots sit on multiples of 64 tokens.
+LONG_STEMS = [[1000 * (k + 1) + j for j in range(200)] for k in range(2)]
 
 
 @dataclass
@@ -57,10 +59,10 @@ def expected_output(spec: Spec, max_len: int) -> tuple[list[int], FinishReason]:
 
 
 @st.composite
-def request_specs(draw, n: int):
+def request_specs(draw, n: int, stems=STEMS):
     specs = []
     for i in range(n):
-        stem = STEMS[draw(st.integers(0, len(STEMS) - 1))]
+        stem = stems[draw(st.integers(0, len(stems) - 1))]
         shared = draw(st.integers(0, len(stem)))
         tail = draw(st.lists(st.integers(1, 60), min_size=0 if shared else 1, max_size=24))
         specs.append(Spec(
@@ -163,6 +165,33 @@ def test_random_hybrid_workloads(workload, slots):
     the end."""
     cfg, specs = workload
     run_workload(dict(cfg, enable_prefix_caching=False, num_state_slots=slots), specs)
+
+
+@st.composite
+def hybrid_caching_workloads(draw):
+    """Prompts of up to ~220 tokens sharing long stems, so that state snapshots (every 64
+    tokens) are taken, hit, evicted and preempted around."""
+    block_size = draw(st.sampled_from([1, 4, 16, 32]))
+    max_model_len = draw(st.integers(130, 320))
+    kv_tokens = draw(_mostly(st.integers(260, 900), st.integers(64, 259)))
+    cfg = dict(num_blocks=1 + -(-kv_tokens // block_size), block_size=block_size,
+               max_num_batched_tokens=draw(st.integers(16, 300)), max_num_seqs=draw(st.integers(1, 5)),
+               max_model_len=max_model_len, enable_prefix_caching=True, enable_chunked_prefill=True,
+               long_prefill_token_threshold=draw(st.sampled_from([0, 0, 50])),
+               policy=draw(st.sampled_from(["fcfs", "priority"])))
+    slots = draw(st.integers(1, 5))
+    cfg.update(num_state_slots=slots + draw(st.integers(0, 4)), num_state_snapshots=0)
+    cfg["num_state_snapshots"] = cfg["num_state_slots"] - slots
+    return cfg, draw(request_specs(draw(st.integers(1, 10)), LONG_STEMS))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hybrid_caching_workloads())
+def test_random_hybrid_workloads_with_prefix_caching(workload):
+    """A hybrid model's prefix cache: every chunk finds its slot holding the state of exactly
+    the tokens before it (the fake runner's check), whether it came from the request's own
+    steps or from a snapshot restored at a prefix hit; every slot is free at the end."""
+    run_workload(*workload)
 
 
 def check_gdn_chunks(s, out) -> None:
