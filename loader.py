@@ -111,23 +111,26 @@ def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
 def load(model: str | Path | None = None, *, target: str = "cpu", block_size: int = 16,
          kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-         bundle_dir: str | Path | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
+         bundle_dir: str | Path | None = None, kv_cache_dtype: str = "auto",
+         num_state_snapshots: int = 0) -> LoadedModel:
     """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
     or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
     model and target) and runs it on the GPU. kv_cache_tokens None (GPU): size the
     KV cache from free memory. kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3"
-    (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache)."""
+    (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache).
+    A hybrid model gets max_num_seqs running state slots, num_state_snapshots more for the
+    prefix cache's snapshots, and the null slot 0 (models without such state ignore both)."""
     if target not in ("cpu",) + GPU_TARGETS:
         raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
     _kv_cache_dtype(kv_cache_dtype)  # an unknown name fails before the model is opened
+    num_state_slots = max_num_seqs + num_state_snapshots + 1
     source = open_source(model)
     cfg = source.config
     graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
-        # a hybrid model's state slots: one per sequence the engine may run at once
         executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
-                               num_state_slots=max_num_seqs + 1)  # slot 0: the null slot
+                               num_state_slots=num_state_slots)
         return LoadedModel(source, graph, executor, tok, block_size)
 
     from kiln.runtime.worker.cuda_executor import CudaExecutor
@@ -139,7 +142,7 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
     # keep_dtype: bf16 checkpoints go to the GPU without a round trip through f32
     executor = CudaExecutor(bundle, lambda name: source.weights.get(name, keep_dtype=True),
                             num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size),
-                            num_state_slots=max_num_seqs + 1)  # a hybrid's: slot 0 is the null slot
+                            num_state_slots=num_state_slots)
     return LoadedModel(source, graph, executor, tok, block_size)
 
 

@@ -36,7 +36,8 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     lm = load(args.model, target=args.target, block_size=args.block_size, kv_cache_tokens=kv_tokens,
               tokenizer=not args.skip_tokenizer_init, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype)
+              bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype,
+              num_state_snapshots=args.state_snapshots())
     cfg = lm.source.config
     args = args.with_model_defaults(cfg)
     max_len = context_length(cfg, args.max_model_len)
@@ -45,7 +46,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
         max_model_len=max_len, enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, policy=args.scheduling_policy,
         async_scheduling=args.target != "cpu" if args.async_scheduling is None else args.async_scheduling)
-    kv_cfg = kv_cache_config(cfg, lm, args.block_size)
+    kv_cfg = kv_cache_config(cfg, lm, args.block_size, args.num_state_snapshots)
     # a GPU bundle's buckets hold a fixed number of logits rows (prompt logprobs need one per token)
     rows = max((p["logits"] for p in getattr(lm.executor, "buckets", ())), default=None)
     scheduler = Scheduler(sched_cfg, kv_cfg, CacheConfig(args.block_size, args.enable_prefix_caching),
@@ -62,10 +63,11 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     return engine, lm
 
 
-def kv_cache_config(cfg, lm, block_size: int):
+def kv_cache_config(cfg, lm, block_size: int, num_state_snapshots: int = 0):
     """The scheduler's view of the executor's caches: the attention blocks, and for a hybrid
-    model a second group of state slots, one per running request (slot 0 is the null slot,
-    so the executor holds num_state_slots - 1 usable ones)."""
+    model a second group of state slots, one per running request plus num_state_snapshots for
+    prefix-cache snapshots (slot 0 is the null slot, so the executor holds num_state_slots - 1
+    usable ones)."""
     kv_dtype = lm.graph.attrs["kv_cache_dtype"]
     if not cfg.is_hybrid:
         return full_attention_config(lm.executor.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -75,7 +77,8 @@ def kv_cache_config(cfg, lm, block_size: int):
     return hybrid_config(lm.executor.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype,
                          num_state_slots=lm.executor.num_state_slots - 1, conv_shape=tuple(conv.shape[1:]),
                          ssm_shape=tuple(ssm.shape[1:]), conv_dtype=str(conv.dtype), ssm_dtype=str(ssm.dtype),
-                         num_gdn_layers=sum(t == "linear_attention" for t in cfg.layer_types))
+                         num_gdn_layers=sum(t == "linear_attention" for t in cfg.layer_types),
+                         num_state_snapshots=num_state_snapshots)
 
 
 def build_engine_process(args: EngineArgs) -> tuple[LLMEngine, None]:

@@ -16,8 +16,13 @@ class EngineArgs:
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # None: on, except for hybrid (Gated DeltaNet) models, whose state is not prefix-cached yet
+    # None: on (hybrid models too: their Gated DeltaNet state is snapshotted at block-aligned
+    # chunk ends, runtime/core/single_type_kv_cache_manager.py MambaManager)
     enable_prefix_caching: Optional[bool] = None
+    # A hybrid model's state slots kept for prefix-cache snapshots, beside the max_num_seqs
+    # running ones (each as large as a running slot). None: max(1, max_num_seqs // 4) with
+    # prefix caching on, else 0. Ignored for models without Gated DeltaNet state.
+    num_state_snapshots: Optional[int] = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -38,17 +43,23 @@ class EngineArgs:
         from kiln.graph.dtype import kv_cache_dtype
 
         kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
+        if self.num_state_snapshots and self.enable_prefix_caching is False:
+            raise ValueError("num_state_snapshots needs prefix caching (they hold cached prefixes' state)")
 
     def with_model_defaults(self, cfg: Any) -> "EngineArgs":
         """The args with what depends on the model (a ModelConfig) decided: prefix caching is on
-        by default, and off for a hybrid model, where asking for it is an error (its state
-        slots would resume from a prefix they never computed)."""
-        caching = self.enable_prefix_caching
-        if cfg.is_hybrid:
-            if caching:
-                raise ConfigError(f"prefix caching is not supported for {cfg.architecture} (Gated DeltaNet "
-                                  f"state is not cached yet): drop --enable-prefix-caching")
-            caching = False
-        elif caching is None:
-            caching = True
-        return dataclasses.replace(self, enable_prefix_caching=caching)
+        by default, for a hybrid model too (with its state snapshots)."""
+        caching = True if self.enable_prefix_caching is None else self.enable_prefix_caching
+        return dataclasses.replace(self, enable_prefix_caching=caching,
+                                   num_state_snapshots=self.state_snapshots(caching) if cfg.is_hybrid else 0)
+
+    def state_snapshots(self, caching: bool | None = None) -> int:
+        """How many snapshot slots a hybrid model gets (prefix caching `caching`, default as set)."""
+        caching = self.enable_prefix_caching is not False if caching is None else caching
+        if not caching:
+            return 0
+        if self.num_state_snapshots is not None:
+            return self.num_state_snapshots
+        return max(1, self.max_num_seqs // 4)

@@ -32,6 +32,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache element type (vLLM's flag): auto = the model's dtype; fp8 (= fp8_e4m3, "
@@ -55,7 +62,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (prefill chunks and decode tokens together)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV cache blocks of a prompt's already computed prefix (hash-based; default: "
-                   "on, off for hybrid Gated DeltaNet models, which do not support it yet)")
+                   "on; a hybrid Gated DeltaNet model also resumes from state snapshots taken where prefill "
+                   "chunks end on a block-aligned multiple of 64 tokens)")
+    p.add_argument("--num-state-snapshots", type=_nonnegative, default=None,
+                   help="a hybrid model's state slots kept for prefix-cache snapshots, beside the "
+                   "--max-num-seqs running ones, each as large (default: max(1, max-num-seqs / 4) with prefix "
+                   "caching on)")
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template's text (default: the "
                    "tokenizer's template)")
     p.add_argument("--enable-force-include-usage", action="store_true",
@@ -114,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
             scheduling_policy=args.scheduling_policy, kv_cache_tokens=args.kv_cache_tokens, chat_template=template,
             target=args.target, bundle_dir=args.bundle, async_scheduling=args.async_scheduling,
-            kv_cache_dtype=args.kv_cache_dtype)
+            kv_cache_dtype=args.kv_cache_dtype, num_state_snapshots=args.num_state_snapshots)
     except ValueError as e:  # a combination of flags the engine refuses, before anything loads
         raise KilnError(str(e)) from None
     config = ServerConfig(

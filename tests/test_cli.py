@@ -62,7 +62,8 @@ def test_serve_help_as_a_user_reads_it():
     for flag, default in [("--host", "127.0.0.1"), ("--max-num-seqs", "256"), ("--max-num-batched-tokens", "2048"),
                           ("--scheduling-policy", "fcfs")]:
         assert f"(default: {default})" in " ".join(blocks[flag].split()), blocks[flag]
-    assert "default: on, off for hybrid" in " ".join(blocks["--enable-prefix-caching"].split())
+    assert "default: on;" in " ".join(blocks["--enable-prefix-caching"].split())
+    assert "default: max(1, max-num-seqs / 4)" in " ".join(blocks["--num-state-snapshots"].split())
     flat = " ".join(out.split())
     assert "(default: the model's context)" in flat  # --max-model-len: None, said in words
 

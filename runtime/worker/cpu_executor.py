@@ -60,6 +60,14 @@ class CpuExecutor:
                 dies.setdefault(n, []).append(t)
         return dies
 
+    def copy_state_slots(self, copies) -> None:
+        """A hybrid model's state-slot copies (source, destination), in order, in every
+        Gated DeltaNet state (the prefix cache's snapshots saved and restored)."""
+        slotted = [self.states[t.name] for t in self.graph.states if t.shape[0] == "NS"]
+        for src, dst in copies:
+            for arr in slotted:
+                arr[dst] = arr[src]
+
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env: dict[str, np.ndarray] = {}
         for t in self.graph.inputs:

@@ -60,6 +60,9 @@ class CudaExecutor:
             nbytes = self.num_state_slots * to_numpy(DType(dtype)).itemsize * int(np.prod(shape[1:]))
             bases[f"state:{name}"] = self.ctx.malloc(nbytes)
             self.ctx.memset(bases[f"state:{name}"], nbytes)
+        # (base, bytes of one slot) of each slotted state, for copy_state_slots
+        self._slot_rows = [(bases[f"state:{n}"], to_numpy(DType(d)).itemsize * int(np.prod(shape[1:])))
+                           for n, (d, shape) in slotted.items()]
         self.num_blocks = self._alloc_states({n: v for n, v in m["states"].items() if n not in slotted}, bases,
                                              num_blocks, gpu_memory_utilization)
         self.bases = bases
@@ -205,6 +208,14 @@ class CudaExecutor:
         put("num_logits", np.array([len(inputs["logits_indices"])], np.int32), 0)
         off, shape = p["inputs"]["num_logits"]
         return off + 4
+
+    def copy_state_slots(self, copies) -> None:
+        """A hybrid model's state-slot copies (source, destination), in order, in every Gated
+        DeltaNet state: device copies queued on the step stream, so they run after the steps
+        queued before and ahead of the next one's launches (prefix-cache snapshots)."""
+        for src, dst in copies:
+            for base, row in self._slot_rows:
+                self.ctx.copy(base + dst * row, base + src * row, row)
 
     def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         l_ = len(inputs["logits_indices"])

@@ -240,12 +240,16 @@ class ModelRunner:
         if self._in_flight and (so.finished_req_ids or c.resumed_req_ids or c.all_token_ids):
             self.flush()  # rows are dropped or rewritten below: their placeholders settle first
         self._apply(so)
+        if so.state_restores:  # prefix-cache hits: snapshots into the slots this step reads
+            self.executor.copy_state_slots(so.state_restores)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         plan = self._chunks(so)
         if self.gpu_sampler is not None:
-            return self._execute_sampling_on_device(plan)
+            return self._execute_sampling_on_device(plan, so.state_saves)
         logits = next(iter(self.executor.execute(self._step_inputs(plan)).values()))
+        if so.state_saves:  # the slots as this step left them, kept as snapshots
+            self.executor.copy_state_slots(so.state_saves)
         rows, prompt_chunks = self._logits_layout(plan)
         prompt_lps = {}
         for i, r0 in prompt_chunks:
@@ -324,10 +328,11 @@ class ModelRunner:
         targets = np.asarray(prompt[start + 1 + skip: start + 1 + n], dtype=np.int64)
         return skip, n, targets, k
 
-    def _execute_sampling_on_device(self, plan: StepPlan) -> ModelRunnerOutput | PendingOutput:
+    def _execute_sampling_on_device(self, plan: StepPlan, state_saves=()) -> ModelRunnerOutput | PendingOutput:
         """execute_model with the logits left on the device: the executor runs the step and
         the GpuSampler in one call, on the same rows, metadata and prompt-logprob targets.
-        With defer_outputs, returns before the step has run (see PendingOutput, collect)."""
+        With defer_outputs, returns before the step has run (see PendingOutput, collect).
+        state_saves: slot copies queued on the device after the step (before any later one)."""
         rows, prompt_chunks = self._logits_layout(plan)
         jobs, prompt_lps = {}, {}
         for i, r0 in prompt_chunks:
@@ -352,11 +357,15 @@ class ModelRunner:
         if not self.launches_ahead:
             out, prompt = self.executor.execute_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
                                                            prompt=list(jobs.values()))
+            if state_saves:
+                self.executor.copy_state_slots(state_saves)
             prompt_lps.update(zip(jobs, prompt))
             return self._output(plan, sample_idx, states, out, prompt_lps)
         # (at most one step is in flight here: each deferred launch below reads its predecessor back)
         handle = self.executor.launch_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
                                                  prompt=list(jobs.values()), feed=feed)
+        if state_saves:
+            self.executor.copy_state_slots(state_saves)
         self.fed_steps += feed is not None
         # placeholders where the sampled tokens go: the next step's lengths count them, and
         # its input ids at those places are fed on the device (_feed)

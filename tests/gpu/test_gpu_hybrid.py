@@ -1,13 +1,17 @@
 """On the GPU: a tiny Qwen3.5 hybrid (Gated DeltaNet + gated attention) through its compiled
 plans. Prefill logits against transformers on CUDA (kiln's bf16 error against the f32 truth no
-worse than 1.5x transformers' own bf16 error), and greedy tokens alone = batched."""
+worse than 1.5x transformers' own bf16 error), greedy tokens alone = batched, and a prefix-cache
+hit (a state snapshot restored by device copies) gives the cold run's tokens."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+from tests.gpu.test_gpu_models import bf16_errors
 from tests.tiny_models import make_tiny_hybrid
 
 torch = pytest.importorskip("torch")
@@ -22,14 +26,13 @@ def hybrid(tmp_path_factory, gpu_target):
     load = transformers.AutoModelForCausalLM.from_pretrained
     hf32 = load(d, dtype=torch.float32).cuda().eval()
     hf16 = load(d, dtype=torch.bfloat16).cuda().eval()
-    llm = LLM(d, target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
-              max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, bundle_dir=str(d / "bundle"))
+    llm = LLM(d, target=gpu_target, skip_tokenizer_init=True, **_engine_kw(d))
     return hf32, hf16, llm
 
 
-def _last_logits(model, p):
-    with torch.no_grad():
-        return model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu().numpy()
+def _engine_kw(d) -> dict:
+    return dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024,
+                bundle_dir=str(d / "bundle"))
 
 
 def test_hybrid_prefill_logits_within_bf16_tolerance(hybrid):
@@ -41,13 +44,7 @@ def test_hybrid_prefill_logits_within_bf16_tolerance(hybrid):
     chunks = [SeqChunk(p, 0, [next(free) for _ in range(-(-len(p) // 16))], state_slot=i + 1)
               for i, p in enumerate(prompts)]
     ours = lm.executor.execute(prepare_step(chunks, 16))["logits"]
-    assert np.isfinite(ours).all()
-    err_kiln, err_hf = [], []
-    for i, p in enumerate(prompts):
-        truth = _last_logits(hf32, p)
-        scale = np.abs(truth).max()
-        err_kiln.append(np.abs(ours[i] - truth).max() / scale)
-        err_hf.append(np.abs(_last_logits(hf16, p) - truth).max() / scale)
+    err_kiln, err_hf = bf16_errors(ours, prompts, hf32, hf16)
     print(f"\n[hybrid] max relative logit error vs f32: kiln bf16 {max(err_kiln):.2e}, "
           f"transformers bf16 {max(err_hf):.2e}")
     assert max(err_kiln) <= 1.5 * max(err_hf) + 1e-3
@@ -61,3 +58,22 @@ def test_hybrid_greedy_alone_equals_batched(hybrid):
     alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts[:4]]
     assert alone == batched[:4]
     assert all(len(t) == 32 for t in batched)
+
+
+def test_hybrid_prefix_cache_hit_gives_the_cold_tokens(hybrid, gpu_target):
+    """As tests/runtime/engine/test_hybrid_engine.py on the CPU: requests sharing 140 tokens
+    (or all 150, or a next turn) of one served before resume from its snapshot at 128, and give
+    the tokens of an engine without prefix caching."""
+    _, _, llm = hybrid
+    d = Path(llm.args.model)
+    cold_llm = LLM(d, target=gpu_target, skip_tokenizer_init=True, enable_prefix_caching=False, **_engine_kw(d))
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, 256, 150).tolist()
+    (out,) = llm.generate(first, GREEDY)
+    follow = [first[:140] + rng.integers(0, 256, 30).tolist(),
+              first + list(out.outputs[0].token_ids) + rng.integers(0, 256, 20).tolist(), first]
+    for p in follow:
+        (hit,) = llm.generate(p, GREEDY)
+        (cold,) = cold_llm.generate(p, GREEDY)
+        assert hit.num_cached_tokens == 128 and cold.num_cached_tokens == 0
+        assert list(hit.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
