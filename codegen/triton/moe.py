@@ -1,0 +1,148 @@
+"""The fused MoE layer on the GPU: which kernels run for a bucket, their default tiles, and the
+wrappers that check and launch them (the kernels: moe_router.py, moe_align.py, moe_gemm.py).
+
+    router:  moe_router(logits)                            -> topk_ids, topk_weights
+    experts: moe_experts(x, topk_ids, topk_weights, w13, w2) -> y [T, H]
+
+Two paths for the experts, chosen per bucket by moe_path (a schedule choice, not a numerics one):
+- "decode" (T * k <= DECODE_MAX_ASSIGNMENTS): no sorting. moe_gate_up_kernel runs a program per
+  (assignment, column block) reading only its expert's w13 rows, and moe_down_kernel a program
+  per (token, column block) reading its k experts' w2 rows and summing them in rank order:
+  2 launches, the weights of the chosen experts streamed once per assignment (at batch 1, the
+  k experts' weights, nothing else).
+- "grouped": moe_align sorts the assignments by expert into BLOCK_M-row blocks, then the grouped
+  gate_up and down GEMMs read each chosen expert's weights once per column block for all its
+  rows, and moe_sum adds each token's k f32 rows in rank order: 4 launches.
+Both give a token the same bits (moe_gemm.py: one K order per weight, the same epilogues, the
+same rank-order sum of the same rounded products), so the path a bucket takes, and its tiles,
+never change a token's output: a token alone in a decode bucket and the same token among 4,000
+in a prefill bucket get identical rows. The threshold is only about speed: past a few dozen
+assignments several land on one expert, and the grouped form reads its weights once for all.
+(On the GPU the equality rests on 16-row mma.sync tiles and 64-row wgmma tiles giving the same
+rows, as gemm.py measured for the dense GEMM on the H200; if an arch ever broke it, the rule
+would have to become "decode path for every bucket of a family", never a per-batch choice.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, dtype_name,
+                                        launch, shape_of, strides_of)
+from kiln.codegen.triton.moe_align import moe_align, moe_align_capacity, moe_align_spec
+from kiln.codegen.triton.moe_gemm import MoeTile, moe_down_spec, moe_gate_up_spec, moe_sum_spec
+
+DECODE_MAX_ASSIGNMENTS = 64  # T * k up to which a bucket takes the decode path (a speed knob)
+
+
+def moe_path(t: int, top_k: int) -> str:
+    return "decode" if t * top_k <= DECODE_MAX_ASSIGNMENTS else "grouped"
+
+
+def moe_tiles(t: int, top_k: int, e: int, h: int, i: int, arch: str = "sm_90", path: str | None = None):
+    """(gate_up tile, down tile) for a bucket: defaults until `build.py tune` sweeps them. Decode:
+    narrow column blocks so that even one token's few experts spread over the SMs (gate_up: I / 32
+    blocks per assignment; down: H / 16 per token). Grouped: BLOCK_M near the mean rows per
+    expert (16 while experts get a block or less, else 32, 64), 64-wide columns."""
+    path = path or moe_path(t, top_k)
+    if path == "decode":
+        return (MoeTile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
+                MoeTile(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4))
+    rows = t * top_k / e
+    bm = 16 if rows <= 16 else 32 if rows <= 48 else 64
+    tile = MoeTile(block_m=bm, block_n=64, block_k=64, num_warps=4, num_stages=3 if arch == "sm_90" else 2)
+    return tile, tile
+
+
+def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *,
+                      path: str | None = None, tiles: tuple[MoeTile, MoeTile] | None = None,
+                      arch: str = "sm_90") -> list[KernelSpec]:
+    """The launches of one MoE experts layer for a bucket of T tokens, in order (the router's is
+    moe_router_spec)."""
+    path = path or moe_path(t, top_k)
+    gu, dn = tiles or moe_tiles(t, top_k, e, h, i, arch, path)
+    if path == "decode":
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True)]
+    check(path == "grouped", f"moe: unknown path {path!r}")
+    check(gu.block_m == dn.block_m, "moe: gate_up and down share the align step's BLOCK_M")
+    return [moe_align_spec(t, top_k, e, gu.block_m),
+            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False),
+            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False),
+            moe_sum_spec(t, top_k, h, dtype)]
+
+
+def moe_workspace(t: int, top_k: int, e: int, h: int, i: int, dtype: str, *, path: str,
+                  block_m: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The device scratch a path needs: name -> (shape, dtype name)."""
+    ws = {"a": ((t * top_k, i), dtype)}
+    if path == "grouped":
+        em = moe_align_capacity(t, top_k, e, block_m)
+        ws |= {"sorted_ids": ((em,), "int32"), "block_expert": ((em // block_m,), "int32"),
+               "n_post": ((1,), "int32"), "d": ((t * top_k, h), "float32")}
+    return ws
+
+
+def _unwrap(b):
+    return b.array if getattr(b, "on_host", False) else b
+
+
+def _check_layer(x, topk_ids, topk_weights, w13, w2):
+    check(len(shape_of(x)) == 2, "moe: x must be [T, H]")
+    check_dtype(x, ("bfloat16", "float16", "float32"), "moe x")
+    check_inner_contiguous(x, "moe x")
+    t, h = shape_of(x)
+    check(len(shape_of(w13)) == 3 and shape_of(w13)[2] == h and shape_of(w13)[1] % 2 == 0,
+          f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {h}]")
+    e, i = shape_of(w13)[0], shape_of(w13)[1] // 2
+    check(shape_of(w2) == (e, h, i), f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {i}]")
+    check(dtype_name(w13) == dtype_name(x) and dtype_name(w2) == dtype_name(x), "moe: x, w13, w2 dtypes differ")
+    for b, name in ((w13, "w13"), (w2, "w2")):
+        check_inner_contiguous(b, f"moe {name}", 3)
+    check(len(shape_of(topk_ids)) == 2 and shape_of(topk_ids)[0] == t, "moe: topk_ids must be [T, k]")
+    k = shape_of(topk_ids)[1]
+    check(dtype_name(topk_ids) == "int32" and tuple(strides_of(topk_ids)) == (k, 1), "moe: topk_ids packed i32")
+    check(shape_of(topk_weights) == (t, k) and dtype_name(topk_weights) == "float32"
+          and tuple(strides_of(topk_weights)) == (k, 1), "moe: topk_weights packed f32[T, k]")
+    return t, h, e, i, k
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | None = None,
+                tiles: tuple[MoeTile, MoeTile] | None = None, n_rows=None, workspace: dict | None = None,
+                arch: str = "sm_90"):
+    """x: [T, H] (rows may be strided), topk_ids i32[T, k], topk_weights f32[T, k], w13 [E, 2I, H],
+    w2 [E, H, I] -> y [T, H] in x's dtype (the graph op moe_experts). n_rows: i32[1] live tokens
+    (default T; rows past it are not written). workspace: moe_workspace's buffers by name
+    (allocated here for host arrays)."""
+    x, topk_ids, topk_weights, w13, w2, out, n_rows = map(as_buf, (x, topk_ids, topk_weights, w13, w2, out, n_rows))
+    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2)
+    path = path or moe_path(t, k)
+    gu, dn = tiles or moe_tiles(t, k, e, h, i, arch, path)
+    dt = dtype_name(x)
+    out = out if out is not None else as_buf(np.empty((t, h), x.dtype))
+    check(shape_of(out) == (t, h) and dtype_name(out) == dt, f"moe: out must be [{t}, {h}] {dt}")
+    check_inner_contiguous(out, "moe out")
+    n_rows = n_rows if n_rows is not None else as_buf(np.array([t], np.int32))
+    need = moe_workspace(t, k, e, h, i, dt, path=path, block_m=gu.block_m)
+    ws = {n: as_buf(b) for n, b in (workspace or {}).items()}
+    for name, (shape, d) in need.items():
+        if name not in ws:
+            check(getattr(x, "on_host", False), f"moe: device buffers need workspace[{name!r}] {d}{list(shape)}")
+            ws[name] = as_buf(np.empty(shape, np.dtype(x.dtype) if d == dt else d))
+        check(shape_of(ws[name]) == shape and dtype_name(ws[name]) == d, f"moe: workspace[{name!r}] must be "
+              f"{d}{list(shape)}")
+    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch)
+    if path == "decode":
+        gate_up, down = specs
+        meta = [topk_ids, topk_ids, topk_ids, n_rows, n_rows, 0, t * k]  # no sorted rows: placeholders
+        launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
+        launch(down, [ws["a"], w2, topk_weights, topk_weights, out, *meta, strides_of(out)[0]])
+        return _unwrap(out)
+    align, gate_up, down, msum = specs
+    moe_align(topk_ids, num_experts=e, block_m=gu.block_m, n_rows=n_rows, sorted_ids=ws["sorted_ids"],
+              block_expert=ws["block_expert"], n_post=ws["n_post"])
+    em = shape_of(ws["sorted_ids"])[0]
+    meta = [topk_ids, ws["sorted_ids"], ws["block_expert"], ws["n_post"], n_rows, em, t * k]
+    launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
+    launch(down, [ws["a"], w2, topk_weights, ws["d"], out, *meta, strides_of(out)[0]])
+    launch(msum, [ws["d"], out, n_rows, strides_of(out)[0]])
+    return _unwrap(out)

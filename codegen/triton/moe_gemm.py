@@ -1,0 +1,237 @@
+"""The MoE expert GEMMs: gate_up with SiLU-and-mul fused, down with the routing weight applied,
+and the top-k sum; each in a grouped form (rows sorted by expert, moe_align.py) and a decode
+form (one program per assignment, no sorting).
+
+    gate_up: a[r] = silu(bf16(x[t] @ w13[e, :I]^T)) * bf16(x[t] @ w13[e, I:]^T)   a: [T*k, I]
+    down:    d[r] = w[r] * bf16(w2[e] @ a[r])  (f32)                             d: [T*k, H]
+    sum:     y[t] = ((0 + d[t*k]) + d[t*k+1]) + ... in rank order, rounded       y: [T, H]
+for r = t * k + j, e = topk_ids[t, j], w = topk_weights[t, j]: graph/moe_ops.py moe_experts,
+whose every GEMM output is rounded as a dense linear's store (bf16 standing for the activation
+dtype; f32 activations round nowhere).
+
+Bits (DESIGN "Invariance by construction"): every output element is one chain of tl.dot over K
+in increasing order from 0 (gemm.py's _dot_acc: the tensor core's k=16 steps, walked one at a
+time under the interpreter), with no split-K, so an element's sum is fixed by the expert's
+weight alone: not by BLOCK_M/N/K, the block a row was sorted into, its place in the tile, or
+the rows beside it. The grouped and decode forms share that code (_expert_sums), so a token
+gets the same bits whichever form runs and whatever else is in the step (tests/codegen/
+test_moe_kernels.py proves it under the interpreter; on the GPU it rests on what gemm.py
+measured on the H200: 16-row mma.sync tiles and 64/128-row wgmma tiles give identical rows;
+not yet measured for these kernels). The epilogues round where the graph op rounds: gate and
+up to the activation dtype (a dense linear's store), silu_mul's formula on them, a rounded
+to the dtype; down's sums rounded to the dtype, times the routing weight rounded to f32
+(mul.rn: never contracted into the sum's add, which would round once where the op rounds
+twice), added from zero in rank order.
+
+The top-k sum is not fused into the grouped down GEMM: a token's k rows sit in k experts'
+blocks, computed by different programs in no fixed order, so a fused sum would need atomics
+and their order would depend on the batch. moe_sum_kernel adds the f32 rows in rank order
+instead. The decode form of down owns all k rows of its token, so it sums them itself, in the
+same order on the same rounded products: the same bits, one launch and the f32 rows less.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from kiln.codegen.triton.gemm import _dot_acc, _tile_ids
+from kiln.codegen.triton.launch import KernelSpec, cdiv, sig_type
+from kiln.codegen.triton.moe_align import moe_align_capacity
+from kiln.codegen.triton.pdl import pdl_enter
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    """Schedule knobs of the MoE GEMMs, per bucket: none changes a sum (module docstring).
+    block_m is also the align step's block: the grouped form's rows per program. The decode
+    form always takes 16-row tiles (the smallest tl.dot) holding one live row."""
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8  # row blocks that walk the weight's column blocks together (gemm._tile_ids)
+
+
+@triton.jit
+def _mul_rn(a, b, INTERPRET: tl.constexpr):
+    """f32 a * b rounded to nearest, never fused into a later add: fp fusion would make it an
+    FMA in moe_down_kernel's decode sum and not in moe_sum_kernel's. PTX mul.rn is never
+    contracted; inline, because libdevice's mul_rn compiles to mul.rn.ftz (denormals flushed)."""
+    if INTERPRET:
+        return a * b
+    else:
+        a, b = tl.broadcast(a, b)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _expert_sums(x_rows, row_ok, w_ptr, w2_ptr, rn, N: tl.constexpr, K: tl.constexpr, TWO: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """f32 [BM, BN] sums x_rows . w[rn] over K from 0 in increasing order (TWO: also against
+    w2, the up rows of the same expert, sharing the x loads). x_rows: [BM] pointers to rows of
+    K elements, row_ok: [BM]; w_ptr, w2_ptr: an expert's [N, K] rows (packed); rn: [BN]."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = rn.to(tl.int64)[None, :] * K  # [1, BN]
+    STEP: tl.constexpr = 16 if INTERPRET else BLOCK_K  # gemm._split_acc says why
+    for k0 in range(0, K, STEP):
+        rk = k0 + tl.arange(0, STEP)
+        a = tl.load(x_rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
+        wm = (rn[None, :] < N) & (rk[:, None] < K)
+        acc = _dot_acc(a, tl.load(w_ptr + w_rows + rk[:, None], mask=wm, other=0.0), acc, INTERPRET)
+        if TWO:
+            acc2 = _dot_acc(a, tl.load(w2_ptr + w_rows + rk[:, None], mask=wm, other=0.0), acc2, INTERPRET)
+    return acc, acc2
+
+
+@triton.jit
+def _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M: tl.constexpr,
+          DECODE: tl.constexpr):
+    """A program's assignment rows [BM] (flat r = t * k + j; NUM_ROWS: none) and their expert.
+    Grouped: block pid_m of the sorted rows. Decode: assignment r_dec alone, in row 0."""
+    lane = tl.arange(0, BLOCK_M)
+    if DECODE:
+        rows = tl.where(lane == 0, r_dec, NUM_ROWS)
+        e = tl.load(ids_ptr + r_dec)
+    else:
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + lane)
+        e = tl.load(block_expert_ptr + pid_m)
+    return rows, e.to(tl.int64)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr, n_rows_ptr,
+                       EM, NUM_ROWS, stride_x,
+                       I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
+                       INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # x: [T, H] (rows strided); w: [E, 2I, H] (gate rows, then up rows); a: [T*k, I] packed
+    # grid: grouped (cdiv(EM, BM) * cdiv(I, BN),); decode (cdiv(I, BN), T*k)
+    pdl_enter(PDL)  # before any global access (pdl.py)
+    if DECODE:
+        pid_m, pid_n, r_dec = 0, tl.program_id(0), tl.program_id(1)
+        if r_dec // TOPK >= tl.load(n_rows_ptr):
+            return
+    else:
+        pid_m, pid_n = _tile_ids(tl.program_id(0), EM, I, BLOCK_M, BLOCK_N, GROUP_M)
+        r_dec = 0
+        if pid_m * BLOCK_M >= tl.load(n_post_ptr):
+            return
+    rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
+    ok = rows < NUM_ROWS
+    x_rows = x_ptr + (tl.where(ok, rows, 0) // TOPK).to(tl.int64) * stride_x  # [BM]: token t of r
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wg = w_ptr + e * (2 * I * H)
+    g, u = _expert_sums(x_rows, ok, wg, wg + I * H, rn, I, H, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+    dt = a_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)  # what a dense gate_up linear would store
+    u = u.to(dt).to(tl.float32)
+    act = g / (1.0 + tl.exp(-g)) * u  # silu_mul.py's formula
+    dst = a_ptr + rows.to(tl.int64)[:, None] * I + rn[None, :]
+    tl.store(dst, act.to(dt), mask=ok[:, None] & (rn[None, :] < I))
+
+
+@triton.jit
+def moe_down_kernel(a_ptr, w_ptr, tw_ptr, d_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr,
+                    n_rows_ptr, EM, NUM_ROWS, stride_y,
+                    I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
+                    INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # a: [T*k, I] packed; w: [E, H, I]; tw: f32[T*k] routing weights
+    # grouped: d: f32[T*k, H] packed, grid (cdiv(EM, BM) * cdiv(H, BN),); y only gives the dtype
+    # decode: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
+    pdl_enter(PDL)  # before any global access (pdl.py)
+    if DECODE:
+        pid_n, t = tl.program_id(0), tl.program_id(1)
+        if t >= tl.load(n_rows_ptr):
+            return
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # rank order, from zero (moe_sum_kernel's order)
+            rows, e = _rows(0, t * TOPK + j, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, True)
+            ok = rows < NUM_ROWS
+            acc, _ = _expert_sums(a_ptr + rows.to(tl.int64) * I, ok, w_ptr + e * (H * I), w_ptr, rn, H, I, False,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+            o = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, as a linear stores it
+            y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
+        lane = tl.arange(0, BLOCK_M)
+        dst = y_ptr + t.to(tl.int64) * stride_y + lane[:, None] * 0 + rn[None, :]  # row 0 holds the token
+        tl.store(dst, y.to(y_ptr.dtype.element_ty), mask=(lane[:, None] == 0) & (rn[None, :] < H))
+    else:
+        pid_m, pid_n = _tile_ids(tl.program_id(0), EM, H, BLOCK_M, BLOCK_N, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(n_post_ptr):
+            return
+        rows, e = _rows(pid_m, 0, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, False)
+        ok = rows < NUM_ROWS
+        safe = tl.where(ok, rows, 0).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc, _ = _expert_sums(a_ptr + safe * I, ok, w_ptr + e * (H * I), w_ptr, rn, H, I, False,
+                              BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+        o = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, as a linear stores it
+        d = _mul_rn(tl.load(tw_ptr + safe, mask=ok, other=0.0)[:, None], o, INTERPRET)
+        tl.store(d_ptr + safe[:, None] * H + rn[None, :], d, mask=ok[:, None] & (rn[None, :] < H))
+
+
+@triton.jit
+def moe_sum_kernel(d_ptr, y_ptr, n_rows_ptr, stride_y, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    # grid: (T, cdiv(H, BLOCK)); d: f32[T*k, H] packed (a token's k rows adjacent, in rank order)
+    pdl_enter(PDL)  # before any global access (pdl.py)
+    t, pid = tl.program_id(0), tl.program_id(1)
+    if t >= tl.load(n_rows_ptr):
+        return
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    src = d_ptr + t.to(tl.int64) * (TOPK * H) + cols
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):  # rank order from zero: graph/moe_ops.py's `y += w_j * o_j`
+        y = y + tl.load(src + j * H, mask=m, other=0.0)
+    tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h: int, i: int, *,
+               tile: MoeTile, decode: bool) -> KernelSpec:
+    bm = 16 if decode else tile.block_m
+    if decode:  # gate_up: a program per (column block, assignment); down: per (column block, token)
+        grid = (cdiv(n_out, tile.block_n), t * top_k if kernel == "moe_gate_up_kernel" else t, 1)
+    else:
+        grid = (cdiv(moe_align_capacity(t, top_k, e, bm), bm) * cdiv(n_out, tile.block_n), 1, 1)
+    return KernelSpec(
+        module=__name__, kernel=kernel, signature=sig,
+        constexprs=dict(I=i, H=h, TOPK=top_k, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                        GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False),
+        grid=grid, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        divisible=tuple(n for n in sig if n.endswith("_ptr")))
+
+
+_META = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "n_post_ptr": "*i32",
+         "n_rows_ptr": "*i32", "EM": "i32", "NUM_ROWS": "i32"}
+
+
+def moe_gate_up_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
+                     decode: bool) -> KernelSpec:
+    """x [T, H] through w13 [E, 2I, H] -> a [T*k, I]: grouped over moe_align's blocks, or decode."""
+    p = sig_type(dtype)
+    sig = {"x_ptr": p, "w_ptr": p, "a_ptr": p, **_META, "stride_x": "i32"}
+    return _gemm_spec("moe_gate_up_kernel", sig, i, t, top_k, e, h, i, tile=tile, decode=decode)
+
+
+def moe_down_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
+                  decode: bool) -> KernelSpec:
+    """a [T*k, I] through w2 [E, H, I]: grouped -> d f32[T*k, H] (then moe_sum), decode -> y [T, H]."""
+    p = sig_type(dtype)
+    sig = {"a_ptr": p, "w_ptr": p, "tw_ptr": "*fp32", "d_ptr": "*fp32", "y_ptr": p, **_META, "stride_y": "i32"}
+    return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode)
+
+
+def moe_sum_spec(t: int, top_k: int, h: int, dtype: str = "bfloat16", *, block: int = 1024,
+                 num_warps: int = 4) -> KernelSpec:
+    block = min(block, 1 << max(4, (h - 1).bit_length()))
+    return KernelSpec(module=__name__, kernel="moe_sum_kernel",
+                      signature=dict(d_ptr="*fp32", y_ptr=sig_type(dtype), n_rows_ptr="*i32", stride_y="i32"),
+                      constexprs=dict(H=h, TOPK=top_k, BLOCK=block), grid=(t, cdiv(h, block)),
+                      num_warps=num_warps, num_stages=1, divisible=("d_ptr", "y_ptr", "n_rows_ptr"))
