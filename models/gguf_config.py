@@ -21,6 +21,7 @@ TENSOR_NAMES_KEY = "GGUF.tensor_names"
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", 1e-6),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", 1e-6),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", 1e-6),
 }
 
 # "{arch}.rope.scaling.<key>" -> HF rope_scaling key; the type goes to "rope_type".
@@ -34,7 +35,7 @@ ROPE_SCALING_KEYS = {
 
 
 def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: Iterable[str] | None = None) -> dict[str, Any]:
-    """The HF-style config of a llama or qwen3 GGUF.
+    """The HF-style config of a llama, qwen3 or qwen3moe GGUF.
 
     tensor_names are the file's llama.cpp tensor names (they decide tie_word_embeddings);
     GGUFWeights.metadata carries them under "GGUF.tensor_names", so
@@ -91,12 +92,26 @@ def gguf_to_hf_config(metadata: dict[str, Any], tensor_names: Iterable[str] | No
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+    if metadata.get(f"{arch}.expert_count"):
+        config.update(_experts(metadata, arch, need))
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id")):
         value = metadata.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def _experts(metadata: dict[str, Any], arch: str, need) -> dict[str, Any]:
+    """A MoE GGUF's expert fields. llama.cpp's qwen3moe graph always renormalises the top-k
+    weights (transformers sets norm_topk_prob for these files too) and puts experts in every layer."""
+    out = {"num_experts": int(need("expert_count")), "num_experts_per_tok": int(need("expert_used_count")),
+           "moe_intermediate_size": int(need("expert_feed_forward_length")), "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
 
 
 def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:

@@ -36,6 +36,17 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts (qwen3moe; the shared expert of qwen2moe-style models): stacked experts
+    # [E, I, H] / [E, H, I] under names models/moe_weights.py turns into the graph's stacked weights
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -143,7 +154,11 @@ class GGUFWeights(WeightSource):
                 elif ".self_attn.k_proj." in name:
                     self._heads[name] = n_kv
         # GGUF shapes are ggml `ne` (fastest axis first); reversed they are HF's [out, in].
-        super().__init__(path, {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self._tensors.items()})
+        shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self._tensors.items()}
+        for n, shape in shapes.items():  # llama.cpp keeps the shared expert's gate as [H]; HF's is [1, H]
+            if n.endswith(".mlp.shared_expert_gate.weight") and len(shape) == 1:
+                shapes[n] = (1, *shape)
+        super().__init__(path, shapes)
 
     @property
     def tied_embeddings(self) -> bool:

@@ -8,7 +8,8 @@
       experts.{e}.gate_proj.weight [I, H], up_proj [I, H], down_proj [H, I]; stacked at load.
   GGUF (llama.cpp's ffn_{gate,up,down}_exps, named by models/gguf_weights.py):
       experts.gate_proj.weight [E, I, H], experts.up_proj.weight [E, I, H],
-      experts.down_proj.weight [E, H, I]; gate and up concatenated along the rows at load.
+      experts.down_proj.weight [E, H, I]; gate and up concatenated along the rows at load
+      (ffn_gate_up_exps, already [E, 2I, H], comes as experts.gate_up_proj.weight and is renamed).
 
 The result is one array per weight, so an executor uploads one buffer per layer and never E.
 """
@@ -39,6 +40,8 @@ def _layer(cfg: ModelConfig, p: str, rename: dict[str, str]) -> dict[str, tuple]
     E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     gate_up, down = f"{p}.{GATE_UP}", f"{p}.{DOWN}"
     out: dict[str, tuple] = {}
+    if f"{gate_up}.weight" in rename:  # GGUF ffn_gate_up_exps: the stacked layout under a .weight name
+        rename[gate_up] = rename.pop(f"{gate_up}.weight")
     per = [[rename.pop(f"{p}.mlp.experts.{e}.{w}_proj.weight", None) for e in range(E)]
            for w in ("gate", "up", "down")]
     exps = [rename.pop(f"{p}.mlp.experts.{w}_proj.weight", None) for w in ("gate", "up", "down")]
