@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import GPU_INSTALL_HINT, ConfigError, KilnError, ModelNotFoundError
+from kiln.errors import GPU_INSTALL_HINT, ConfigError, KilnError, ModelNotFoundError, UnsupportedArchitectureError
 from kiln.graph import DType, Graph
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -163,6 +163,14 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     except ImportError as e:
         raise KilnError(f"compiling for {target} needs triton ({e.name or e} is not installed): "
                         f"{GPU_INSTALL_HINT}") from None
+    from kiln.codegen import lower
+
+    # ops with no GPU lowering yet (the MoE ops until codegen wires them): one sentence, not a LoweringError
+    missing = sorted({n.op for n in graph.nodes.values() if not hasattr(lower._Lowerer, f"op_{n.op}")})
+    if missing:
+        raise UnsupportedArchitectureError(f"{source.config.architecture} cannot be compiled for {target} yet: kiln "
+                                           f"has no GPU kernel wired for its {', '.join(missing)} ops "
+                                           f"(run it with --target cpu)")
     from kiln.runtime.worker.bundle import Bundle, BundleError
     from kiln.schedules import Schedules, ScheduleError
 

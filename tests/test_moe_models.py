@@ -7,6 +7,10 @@ and the stacked layouts of one checkpoint give identical logits; the router and 
 expert's GEMMs merge into one linear in --dump-ir."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +20,7 @@ from kiln.runtime.worker.generate import greedy_generate
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.tiny_moe import MOE_VARIANTS, make_tiny_moe
 
+REPO = Path(__file__).resolve().parents[1]
 LENGTHS = (7, 140, 1, 131)
 
 
@@ -98,3 +103,23 @@ def test_router_and_shared_expert_share_one_gemm(tiny, tmp_path):
                      p + "shared_expert_gate.weight"]
     dumped = sorted(tmp_path.glob("*merge_parallel_linears.txt"))[0].read_text()
     assert merged.name in dumped and "moe_router" in dumped and "moe_experts" in dumped
+
+
+def _compile(model, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "build.py"), "compile", "--model", str(model), *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_build_compile_for_the_cpu_and_a_gpu_target_refused_in_one_sentence(tmp_path):
+    """`build.py compile --target cpu` takes the MoE graph; a GPU target, until codegen lowers the
+    moe ops, says so in one sentence (no LoweringError traceback)."""
+    make_tiny_moe(tmp_path / "m", "qwen3_5_moe")
+    ok = _compile(tmp_path / "m", "--target", "cpu", "--dump-ir", str(tmp_path / "ir"))
+    assert ok.returncode == 0, ok.stderr
+    assert "Qwen3_5MoeForConditionalGeneration" in ok.stderr + ok.stdout
+    assert "moe_experts" in sorted((tmp_path / "ir").glob("*.txt"))[-1].read_text()
+    pytest.importorskip("triton")
+    bad = _compile(tmp_path / "m", "--target", "sm_90", "--out", str(tmp_path / "b"))
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 1 and len(lines) == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert lines[0].startswith("error: ") and "moe_experts" in lines[0] and "--target cpu" in lines[0], lines[0]
