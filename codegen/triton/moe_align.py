@@ -78,8 +78,12 @@ def moe_align_capacity(t: int, top_k: int, e: int, block_m: int) -> int:
     return cdiv(n + min(e, n) * (block_m - 1), block_m) * block_m
 
 
-def moe_align_spec(t: int, top_k: int, e: int, block_m: int, *, block: int = 256, num_warps: int = 4) -> KernelSpec:
+def moe_align_spec(t: int, top_k: int, e: int, block_m: int, *, block: int | None = None,
+                   num_warps: int = 4) -> KernelSpec:
+    """block: ids per chunk of the two passes (default: the bucket's T*k up to 1,024); a schedule
+    knob, like num_warps: the output is a function of the ids alone."""
     check(block_m >= 16 and block_m & (block_m - 1) == 0, f"moe_align: BLOCK_M {block_m} must be a power of two >= 16")
+    block = block or max(16, min(1024, next_pow2(t * top_k)))
     return KernelSpec(
         module=__name__, kernel="moe_align_kernel",
         signature=dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", n_post_ptr="*i32",
