@@ -123,3 +123,37 @@ def test_build_compile_for_the_cpu_and_a_gpu_target_refused_in_one_sentence(tmp_
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 1 and len(lines) == 1 and "Traceback" not in bad.stderr, bad.stderr
     assert lines[0].startswith("error: ") and "moe_experts" in lines[0] and "--target cpu" in lines[0], lines[0]
+
+
+def test_config_fields_as_transformers_reads_them():
+    """transformers writes qwen3_moe's expert count as num_local_experts and defaults its
+    norm_topk_prob to False (Qwen3-Next: True); qwen3_5_moe has no such field and always renormalises."""
+    from kiln.errors import ConfigError
+    from kiln.models.config import ModelConfig
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = ModelConfig.from_hf_dict(dict(base, architectures=["Qwen3MoeForCausalLM"], num_local_experts=8,
+                                        decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert (cfg.num_experts, cfg.norm_topk_prob) == (8, False)
+    assert [cfg.layer_is_moe(i) for i in range(4)] == [False, True, False, False]
+    cfg = ModelConfig.from_hf_dict(dict(base, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                                        norm_topk_prob=True))
+    assert cfg.norm_topk_prob and all(cfg.layer_is_moe(i) for i in range(4))
+    with pytest.raises(ConfigError, match="num_experts_per_tok \\(9\\) is more than the 8 experts"):
+        ModelConfig.from_hf_dict(dict(base, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                                      num_experts_per_tok=9))
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from kiln.errors import InvalidModelError
+
+    make_tiny_moe(tmp_path, "qwen3_moe")
+    f = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(f)
+    del tensors["model.layers.5.mlp.experts.6.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(InvalidModelError, match=r"model.layers.5.mlp.experts.6.up_proj.weight is missing"):
+        load(tmp_path, tokenizer=False)
