@@ -12,7 +12,7 @@ Two paths for the experts, chosen per bucket by moe_path (a schedule choice, not
   k experts' weights, nothing else).
 - "grouped": moe_align sorts the assignments by expert into BLOCK_M-row blocks, then the grouped
   gate_up and down GEMMs read each chosen expert's weights once per column block for all its
-  rows, and moe_sum adds each token's k f32 rows in rank order: 4 launches.
+  rows, and moe_sum weights and adds each token's k rows in rank order: 4 launches.
 Both give a token the same bits (moe_gemm.py: one K order per weight, the same epilogues, the
 same rank-order sum of the same rounded products), so the path a bucket takes, and its tiles,
 never change a token's output: a token alone in a decode bucket and the same token among 4,000
@@ -78,7 +78,7 @@ def moe_workspace(t: int, top_k: int, e: int, h: int, i: int, dtype: str, *, pat
     if path == "grouped":
         em = moe_align_capacity(t, top_k, e, block_m)
         ws |= {"sorted_ids": ((em,), "int32"), "block_expert": ((em // block_m,), "int32"),
-               "n_post": ((1,), "int32"), "d": ((t * top_k, h), "float32")}
+               "n_post": ((1,), "int32"), "o": ((t * top_k, h), dtype)}
     return ws
 
 
@@ -135,7 +135,7 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
         gate_up, down = specs
         meta = [topk_ids, topk_ids, topk_ids, n_rows, n_rows, 0, t * k]  # no sorted rows: placeholders
         launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
-        launch(down, [ws["a"], w2, topk_weights, topk_weights, out, *meta, strides_of(out)[0]])
+        launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0]])  # (o: unused)
         return _unwrap(out)
     align, gate_up, down, msum = specs
     moe_align(topk_ids, num_experts=e, block_m=gu.block_m, n_rows=n_rows, sorted_ids=ws["sorted_ids"],
@@ -143,6 +143,6 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
     em = shape_of(ws["sorted_ids"])[0]
     meta = [topk_ids, ws["sorted_ids"], ws["block_expert"], ws["n_post"], n_rows, em, t * k]
     launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
-    launch(down, [ws["a"], w2, topk_weights, ws["d"], out, *meta, strides_of(out)[0]])
-    launch(msum, [ws["d"], out, n_rows, strides_of(out)[0]])
+    launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0]])
+    launch(msum, [ws["o"], topk_weights, out, n_rows, strides_of(out)[0]])
     return _unwrap(out)

@@ -3,8 +3,8 @@ and the top-k sum; each in a grouped form (rows sorted by expert, moe_align.py) 
 form (one program per assignment, no sorting).
 
     gate_up: a[r] = silu(bf16(x[t] @ w13[e, :I]^T)) * bf16(x[t] @ w13[e, I:]^T)   a: [T*k, I]
-    down:    d[r] = w[r] * bf16(w2[e] @ a[r])  (f32)                             d: [T*k, H]
-    sum:     y[t] = ((0 + d[t*k]) + d[t*k+1]) + ... in rank order, rounded       y: [T, H]
+    down:    o[r] = bf16(w2[e] @ a[r])                                           o: [T*k, H]
+    sum:     y[t] = ((0 + w[t*k] o[t*k]) + w[t*k+1] o[t*k+1]) + ..., rounded     y: [T, H]
 for r = t * k + j, e = topk_ids[t, j], w = topk_weights[t, j]: graph/moe_ops.py moe_experts,
 whose every GEMM output is rounded as a dense linear's store (bf16 standing for the activation
 dtype; f32 activations round nowhere).
@@ -25,9 +25,11 @@ twice), added from zero in rank order.
 
 The top-k sum is not fused into the grouped down GEMM: a token's k rows sit in k experts'
 blocks, computed by different programs in no fixed order, so a fused sum would need atomics
-and their order would depend on the batch. moe_sum_kernel adds the f32 rows in rank order
-instead. The decode form of down owns all k rows of its token, so it sums them itself, in the
-same order on the same rounded products: the same bits, one launch and the f32 rows less.
+and their order would depend on the batch. The grouped down stores each expert's output o in
+the activation dtype (exact: the op rounds it there), and moe_sum_kernel weights and adds a
+token's k rows in rank order: half the bytes of f32 products through memory. The decode form of
+down owns all k rows of its token, so it does that sum itself, in the same order on the same
+rounded products: the same bits, one launch and the rows' round trip less.
 """
 from __future__ import annotations
 
@@ -136,13 +138,13 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def moe_down_kernel(a_ptr, w_ptr, tw_ptr, d_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr,
+def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr,
                     n_rows_ptr, EM, NUM_ROWS, stride_y,
                     I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     # a: [T*k, I] packed; w: [E, H, I]; tw: f32[T*k] routing weights
-    # grouped: d: f32[T*k, H] packed, grid (cdiv(EM, BM) * cdiv(H, BN),); y only gives the dtype
+    # grouped: o: [T*k, H] packed (the dtype's), grid (cdiv(EM, BM) * cdiv(H, BN),); tw, y unused
     # decode: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
     pdl_enter(PDL)  # before any global access (pdl.py)
     if DECODE:
@@ -171,25 +173,27 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, d_ptr, y_ptr, ids_ptr, sorted_ptr, blo
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, _ = _expert_sums(a_ptr + safe * I, ok, w_ptr + e * (H * I), w_ptr, rn, H, I, False,
                               BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
-        o = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, as a linear stores it
-        d = _mul_rn(tl.load(tw_ptr + safe, mask=ok, other=0.0)[:, None], o, INTERPRET)
-        tl.store(d_ptr + safe[:, None] * H + rn[None, :], d, mask=ok[:, None] & (rn[None, :] < H))
+        # the expert's output, as a linear stores it (moe_sum_kernel weights it)
+        tl.store(o_ptr + safe[:, None] * H + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (rn[None, :] < H))
 
 
 @triton.jit
-def moe_sum_kernel(d_ptr, y_ptr, n_rows_ptr, stride_y, H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    # grid: (T, cdiv(H, BLOCK)); d: f32[T*k, H] packed (a token's k rows adjacent, in rank order)
+def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, H: tl.constexpr, TOPK: tl.constexpr,
+                   BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # grid: (T, cdiv(H, BLOCK)); o: [T*k, H] packed (a token's k rows adjacent, in rank order);
+    # tw: f32[T*k]; y: [T, H] (rows strided)
     pdl_enter(PDL)  # before any global access (pdl.py)
     t, pid = tl.program_id(0), tl.program_id(1)
     if t >= tl.load(n_rows_ptr):
         return
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
-    src = d_ptr + t.to(tl.int64) * (TOPK * H) + cols
+    src = o_ptr + t.to(tl.int64) * (TOPK * H) + cols
     y = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOPK):  # rank order from zero: graph/moe_ops.py's `y += w_j * o_j`
-        y = y + tl.load(src + j * H, mask=m, other=0.0)
+        o = tl.load(src + j * H, mask=m, other=0.0).to(tl.float32)
+        y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
     tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -222,9 +226,9 @@ def moe_gate_up_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "b
 
 def moe_down_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
                   decode: bool) -> KernelSpec:
-    """a [T*k, I] through w2 [E, H, I]: grouped -> d f32[T*k, H] (then moe_sum), decode -> y [T, H]."""
+    """a [T*k, I] through w2 [E, H, I]: grouped -> o [T*k, H] (then moe_sum), decode -> y [T, H]."""
     p = sig_type(dtype)
-    sig = {"a_ptr": p, "w_ptr": p, "tw_ptr": "*fp32", "d_ptr": "*fp32", "y_ptr": p, **_META, "stride_y": "i32"}
+    sig = {"a_ptr": p, "w_ptr": p, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META, "stride_y": "i32"}
     return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode)
 
 
@@ -232,6 +236,7 @@ def moe_sum_spec(t: int, top_k: int, h: int, dtype: str = "bfloat16", *, block: 
                  num_warps: int = 4) -> KernelSpec:
     block = min(block, 1 << max(4, (h - 1).bit_length()))
     return KernelSpec(module=__name__, kernel="moe_sum_kernel",
-                      signature=dict(d_ptr="*fp32", y_ptr=sig_type(dtype), n_rows_ptr="*i32", stride_y="i32"),
-                      constexprs=dict(H=h, TOPK=top_k, BLOCK=block), grid=(t, cdiv(h, block)),
-                      num_warps=num_warps, num_stages=1, divisible=("d_ptr", "y_ptr", "n_rows_ptr"))
+                      signature=dict(o_ptr=sig_type(dtype), tw_ptr="*fp32", y_ptr=sig_type(dtype),
+                                     n_rows_ptr="*i32", stride_y="i32"),
+                      constexprs=dict(H=h, TOPK=top_k, BLOCK=block, INTERPRET=False), grid=(t, cdiv(h, block)),
+                      num_warps=num_warps, num_stages=1, divisible=("o_ptr", "tw_ptr", "y_ptr", "n_rows_ptr"))
