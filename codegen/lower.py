@@ -24,11 +24,13 @@ from kiln.codegen.triton import attention_preamble as k_pre
 from kiln.codegen.triton import gather as k_gather
 from kiln.codegen.triton import gdn as k_gdn
 from kiln.codegen.triton import gemm as k_gemm
+from kiln.codegen.triton import moe as k_moe
+from kiln.codegen.triton import moe_router as k_router
 from kiln.codegen.triton import paged_attention_launch as k_attn
 from kiln.codegen.triton import rms_norm as k_norm
 from kiln.codegen.triton import silu_mul as k_silu
 from kiln.codegen.triton.configs import DEFAULT, Configs
-from kiln.codegen.triton.launch import Buf, KernelSpec, contiguous_strides, recording
+from kiln.codegen.triton.launch import Buf, KernelSpec, contiguous_strides, dtype_name, recording
 from kiln.graph import Graph, TensorKind, to_numpy
 from kiln.graph.rope import rope_tables
 from kiln.passes.plan_memory import MemoryPlan
@@ -114,6 +116,7 @@ class _Lowerer:
                     self.users.setdefault(t, []).append(n)
         self.partials: dict[str, tuple[Buf, int]] = {}  # GEMM output -> (its unreduced split-K partials, S)
         self.done: set[str] = set()  # nodes another op's launches already computed (op_linear_add's norm)
+        self.visited: set[str] = set()  # nodes lowered so far, in topological order
         regions.need("inputs", input_bytes(bucket, mb, self.hybrid))
 
     def state_root(self, name: str) -> str:
@@ -179,6 +182,7 @@ class _Lowerer:
     def lower(self) -> list[tuple[KernelSpec, list[Any]]]:
         with recording() as launches:
             for node in self.g.topo_order():
+                self.visited.add(node.name)
                 if node.name in self.done:
                     continue
                 fn = getattr(self, f"op_{node.op}", None)
@@ -384,8 +388,57 @@ class _Lowerer:
                              n_rows=self.n_rows(x))
 
     def op_sigmoid_mul(self, node) -> None:
+        """The gated attention's [T, H, D] gate, or the shared expert's [T, 1] (one gate a token,
+        broadcast over the row, which is run as one head of H columns). A product whose one
+        user is an add (the shared expert's output joining the routed experts') is added in the
+        same launch, with the graph's two roundings, and the add node is done."""
         x, gate = node.inputs
-        k_gdn.sigmoid_mul(self.buf(x), self.buf(gate), self.buf(node.outputs[0]), n_rows=self.n_rows(x))
+        out = node.outputs[0]
+        users = self.users.get(out, [])
+        fused = users[0] if len(users) == 1 and users[0].op == "add" and out not in self.g.outputs else None
+        addend = None
+        if fused is not None:
+            other = [t for t in fused.inputs if t != out]
+            src = self.g.producer(other[0]) if len(other) == 1 else None
+            # the addend must be computed already (launches run in this order)
+            addend = self.buf(other[0]) if len(other) == 1 and (src is None or src.name in self.visited) else None
+            if addend is None or addend.shape != self.buf(out).shape:
+                fused = addend = None
+        xb, gb = self.buf(x), self.buf(gate)
+        yb = self.buf(fused.outputs[0] if fused is not None else out)
+        if len(xb.shape) == 2:
+            t, hd = xb.shape
+            if gb.shape != (t, 1) or any(b.strides != (hd, 1) for b in (xb, yb, addend or xb)):
+                raise LoweringError(f"{node.name}: sigmoid_mul of [T, N] takes packed rows and a [T, 1] gate")
+            xb, yb, addend = (None if b is None else Buf(ptr=b.ptr, shape=(t, 1, hd), dtype=b.np_dtype)
+                              for b in (xb, yb, addend))
+            gb = Buf(ptr=gb.ptr, shape=(t, 1, 1), dtype=gb.np_dtype, strides=(gb.strides[0], 1, 1))
+        k_gdn.sigmoid_mul(xb, gb, yb, n_rows=self.n_rows(x), add=addend)
+        if fused is not None:
+            self.done.add(fused.name)
+
+    def op_moe_router(self, node) -> None:
+        (logits,) = node.inputs
+        ids, weights = node.outputs
+        k_router.moe_router(self.buf(logits), top_k=node.attrs["top_k"], renormalize=node.attrs["renormalize"],
+                            ids=self.buf(ids), weights=self.buf(weights), n_rows=self.n_rows(logits))
+
+    def op_moe_experts(self, node) -> None:
+        """The decode path (no sort) for buckets of few assignments, else align + grouped GEMMs
+        (codegen/triton/moe.py): a choice of speed only, both give a token the same bits. The
+        scratch (sorted ids, the [T*k, I] intermediate, ...) is one region per name, shared by
+        every layer and bucket (launches are ordered on the stream)."""
+        x, ids, weights, w13, w2 = (self.buf(t) for t in node.inputs)
+        t, k = ids.shape
+        e, two_i, h = w13.shape
+        path = k_moe.moe_path(t, k)
+        tiles = k_moe.moe_tiles(t, k, e, h, two_i // 2, self.arch, path)
+        dt = dtype_name(x)
+        need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=path, block_m=tiles[0].block_m)
+        ws = {name: self.workspace(f"moe_{name}", shape, x.np_dtype if d == dt else np.dtype(d))
+              for name, (shape, d) in need.items()}
+        k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=path, tiles=tiles,
+                          n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch)
 
     def op_paged_attention(self, node) -> None:
         q, cache, bt, sl, qsl = node.inputs

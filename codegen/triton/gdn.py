@@ -228,10 +228,13 @@ def gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, n_rows_ptr, stride_x, stri
 
 
 @triton.jit
-def sigmoid_mul_kernel(x_ptr, gate_ptr, y_ptr, n_rows_ptr, stride_gt, stride_gh,
-                       H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+def sigmoid_mul_kernel(x_ptr, gate_ptr, y_ptr, add_ptr, n_rows_ptr, stride_gt, stride_gh,
+                       H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False,
+                       GATE_PER_HEAD: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
     # grid: (T, H); x, y: [T, H, D]; gate: [T, H, D] with row strides (the gated attention's gate
-    # columns of its q projection); y = x * sigmoid(gate), sigmoid rounded to x's dtype first
+    # columns of its q projection), or [T, H, 1] broadcast over D (GATE_PER_HEAD: the shared
+    # expert's one gate a token); y = x * sigmoid(gate), sigmoid rounded to x's dtype first;
+    # HAS_ADD: y = add + that product (rounded first), as the graph's sigmoid_mul then add
     pdl_enter(PDL)  # before any global access (pdl.py)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if t >= tl.load(n_rows_ptr):
@@ -240,9 +243,15 @@ def sigmoid_mul_kernel(x_ptr, gate_ptr, y_ptr, n_rows_ptr, stride_gt, stride_gh,
     m = r < D
     dt = y_ptr.dtype.element_ty
     x = tl.load(x_ptr + (t * H + h) * D + r, mask=m, other=0.0).to(tl.float32)
-    gt = tl.load(gate_ptr + t * stride_gt + h * stride_gh + r, mask=m, other=0.0).to(tl.float32)
+    if GATE_PER_HEAD:
+        gt = tl.load(gate_ptr + t * stride_gt + h * stride_gh).to(tl.float32)
+    else:
+        gt = tl.load(gate_ptr + t * stride_gt + h * stride_gh + r, mask=m, other=0.0).to(tl.float32)
     sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
-    tl.store(y_ptr + (t * H + h) * D + r, (x * sg).to(dt), mask=m)
+    y = (x * sg).to(dt)
+    if HAS_ADD:
+        y = (tl.load(add_ptr + (t * H + h) * D + r, mask=m, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
+    tl.store(y_ptr + (t * H + h) * D + r, y, mask=m)
 
 
 # -- specs and wrappers ----------------------------------------------------------------
@@ -376,20 +385,29 @@ def gated_rms_norm(x, z, w, out=None, *, eps: float, n_rows=None):
     return _unwrap(y)
 
 
-def sigmoid_mul_spec(t: int, h: int, d: int, dtype: str, gate_dtype: str) -> KernelSpec:
+def sigmoid_mul_spec(t: int, h: int, d: int, dtype: str, gate_dtype: str, *, per_head: bool = False,
+                     add: bool = False) -> KernelSpec:
+    cx = dict(H=h, D=d, BD=next_pow2(d), GATE_PER_HEAD=per_head, HAS_ADD=add)
     return KernelSpec(module=__name__, kernel="sigmoid_mul_kernel",
                       signature=dict(x_ptr=sig_type(dtype), gate_ptr=sig_type(gate_dtype), y_ptr=sig_type(dtype),
-                                     n_rows_ptr="*i32", stride_gt="i32", stride_gh="i32"),
-                      constexprs=dict(H=h, D=d, BD=next_pow2(d)), grid=(t, h), num_warps=1, num_stages=1)
+                                     add_ptr=sig_type(dtype), n_rows_ptr="*i32", stride_gt="i32", stride_gh="i32"),
+                      constexprs=cx, grid=(t, h), num_warps=1 if d <= 256 else 4, num_stages=1)
 
 
-def sigmoid_mul(x, gate, out=None, *, n_rows=None):
-    """x: packed [T, H, D]; gate: [T, H, D], its rows and heads strided -> x * sigmoid(gate)."""
-    x, gate = as_buf(x), as_buf(gate)
+def sigmoid_mul(x, gate, out=None, *, n_rows=None, add=None):
+    """x: packed [T, H, D]; gate: [T, H, D] (or [T, H, 1]: one gate per head, broadcast over D),
+    its rows and heads strided -> x * sigmoid(gate), plus `add` (packed [T, H, D]) if given."""
+    x, gate, add = as_buf(x), as_buf(gate), as_buf(add)
     t, h, d = shape_of(x)
-    check(shape_of(gate) == (t, h, d) and strides_of(gate)[-1] == 1 and strides_of(x) == (h * d, d, 1),
-          "sigmoid_mul: x packed [T, H, D], gate [T, H, D] with packed rows")
+    per_head = shape_of(gate) == (t, h, 1)
+    check((per_head or (shape_of(gate) == (t, h, d) and strides_of(gate)[-1] == 1))
+          and strides_of(x) == (h * d, d, 1),
+          "sigmoid_mul: x packed [T, H, D], gate [T, H, D] or [T, H, 1] with packed rows")
+    if add is not None:
+        check(shape_of(add) == (t, h, d) and strides_of(add) == (h * d, d, 1) and dtype_name(add) == dtype_name(x),
+              "sigmoid_mul: add must be packed [T, H, D] in x's dtype")
     y = _out(out, (t, h, d), x)
-    spec = sigmoid_mul_spec(t, h, d, dtype_name(x), dtype_name(gate))
-    launch(spec, [x, gate, y, _rows(n_rows, t), strides_of(gate)[0], strides_of(gate)[1]])
+    spec = sigmoid_mul_spec(t, h, d, dtype_name(x), dtype_name(gate), per_head=per_head, add=add is not None)
+    launch(spec, [x, gate, y, add if add is not None else x, _rows(n_rows, t), strides_of(gate)[0],
+                  strides_of(gate)[1]])
     return _unwrap(y)

@@ -134,3 +134,36 @@ def test_every_bucket_of_a_hybrid_compiles(target):
         assert "state_slots" in p["inputs"] and list(p["inputs"])[-1] == "num_logits"
     states = b.manifest["states"]
     assert states["gdn_ssm.0"] == ["f32", ["NS", 4, 16, 16]] and states["kv_cache.3"][1][0] == "NB"
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_121"])
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_every_bucket_of_a_moe_model_compiles(target, arch):
+    """Tiny MoE models (Qwen3-MoE with dense layers between, the Qwen3.5-MoE hybrid with a shared
+    expert): every bucket has a router and the experts' launches per MoE layer, the decode path
+    (no align step) where a bucket has few assignments, the grouped path elsewhere."""
+    from kiln.codegen.triton.moe import moe_path
+    from tests.tiny_models import BASE, HYBRID_BASE
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "Qwen3MoeForCausalLM":
+        d = {**BASE, **moe, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+        layers = 1  # layer 1 (every 2nd, less mlp_only_layers)
+    else:
+        d = {k: v for k, v in HYBRID_BASE.items() if k != "intermediate_size"}
+        d.update(moe, num_hidden_layers=4, shared_expert_intermediate_size=48)
+        layers = 4
+    cfg = ModelConfig.from_hf_dict({**d, "architectures": [arch]})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    meta, plans = b.manifest["kernels"], b.manifest["plans"]
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    paths = set()
+    for p in plans.values():
+        names = [meta[key]["name"] for key, _, _ in p["launches"]]
+        path = moe_path(p["bucket"][0], 2)
+        paths.add(path)
+        assert names.count("moe_router_kernel") == names.count("moe_down_kernel") == layers
+        assert names.count("moe_align_kernel") == names.count("moe_sum_kernel") == (layers if path == "grouped" else 0)
+    assert paths == {"decode", "grouped"}

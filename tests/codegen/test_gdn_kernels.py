@@ -139,6 +139,19 @@ def test_sigmoid_mul_reads_the_gate_columns_in_place(rng):
     assert_close(y, gdn_ops.sigmoid_mul(x, qg[:, :, d:]), rtol=1e-2, what="sigmoid_mul")
 
 
+def test_sigmoid_mul_with_one_gate_a_row_and_an_add(rng):
+    """The shared expert's scale (one gate a token, [T, 1]) and its add to the routed experts'
+    output in one launch, with the graph's roundings: sigmoid_mul, then add."""
+    from kiln.graph.ops import add
+
+    t, n = 6, 96
+    x, routed = rand(rng, (t, 1, n)), rand(rng, (t, 1, n))
+    gate = rand(rng, (t, 3))[:, 1:2].reshape(t, 1, 1)  # a column of a wider row (the merged GEMM's)
+    y = gdn.sigmoid_mul(x, gate, add=routed)
+    want = add(routed.reshape(t, n), gdn_ops.sigmoid_mul(x.reshape(t, n), gate.reshape(t, 1)))
+    assert np.array_equal(f32(y).reshape(t, n), f32(want))
+
+
 def test_chunked_prefill_split_at_chunk_boundaries_is_bit_identical(rng):
     """A 150-token prompt in one step, or as 64 + 86 tokens over two steps (the scheduler cuts
     hybrid prefill chunks at multiples of 64), gives the same bits: the kernel cuts chunks at
