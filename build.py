@@ -73,11 +73,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a model for a target (no GPU needed): a bundle in --out; --dump-ir writes the graph after each pass."""
-    from kiln.loader import build_graph, compile_model, context_length, open_source
+    from kiln.loader import ConfigSource, build_graph, compile_model, context_length, read_config
 
     t0 = time.perf_counter()
-    source = open_source(args.model)
-    cfg = source.config
+    cfg = read_config(args.model)  # the weights are not read to compile: config.json alone will do
+    source = ConfigSource(cfg)
     graph = build_graph(cfg, target=args.target, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                         dump_dir=args.dump_ir)
     if args.target == "cpu":
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     c = command("compile", "compile a model to a bundle for a target (no GPU needed)")
-    c.add_argument("--model", help=MODEL_HELP)
+    c.add_argument("--model", help=MODEL_HELP + "; a directory holding only config.json will do")
     c.add_argument("--target", default="sm_90", choices=("cpu",) + GPU_TARGETS,
                    help="sm_90 (H100/H200), sm_121 (DGX Spark's GB10), or cpu (runs the passes only)")
     c.add_argument("--out", help="bundle directory to write (required for a GPU target; no default)")

@@ -53,6 +53,12 @@ class LoadedModel:
     block_size: int
 
 
+@dataclass(frozen=True)
+class ConfigSource:
+    """What compiling needs of a model: its config (the weights are read at load, not at compile)."""
+    config: ModelConfig
+
+
 def load_tokenizer(source: ModelSource) -> Tokenizer:
     if source.format == "gguf":
         return Tokenizer.from_gguf_metadata(source.gguf_metadata)

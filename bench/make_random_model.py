@@ -38,7 +38,7 @@ import numpy as np
 from kiln.models.reference_shapes import HYBRID_SHAPES, SHAPES, TEST_SHAPES
 
 ALL_SHAPES = {**SHAPES, **HYBRID_SHAPES, **TEST_SHAPES}
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # architecture -> (config.json model_type, text_config model_type)
 HYBRID_MODEL_TYPES = {"Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5_text"),
                       "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "qwen3_5_moe_text")}
@@ -80,10 +80,20 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_proj.weight"] = (nkv * d, h)
         out[p + "self_attn.v_proj.weight"] = (nkv * d, h)
         out[p + "self_attn.o_proj.weight"] = (h, nq * d)
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             out[p + "self_attn.q_norm.weight"] = (d,)
             out[p + "self_attn.k_norm.weight"] = (d,)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
+        if cfg.get("num_experts") and layer not in dense and (layer + 1) % step == 0:
+            # Qwen3-MoE: the router and per-expert tensors (transformers' save format)
+            e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            out[p + "mlp.gate.weight"] = (e, h)
+            for x in range(e):
+                out[p + f"mlp.experts.{x}.gate_proj.weight"] = (mi, h)
+                out[p + f"mlp.experts.{x}.up_proj.weight"] = (mi, h)
+                out[p + f"mlp.experts.{x}.down_proj.weight"] = (h, mi)
+            continue
         out[p + "mlp.gate_proj.weight"] = (i, h)
         out[p + "mlp.up_proj.weight"] = (i, h)
         out[p + "mlp.down_proj.weight"] = (h, i)

@@ -18,6 +18,13 @@ SHAPES: dict[str, dict] = {
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0,
                      tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: every layer MoE, 8 of 128 routed experts, no shared expert
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                          rope_theta=1000000.0, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[]),
 }
 
 

@@ -133,3 +133,17 @@ def test_console_script_is_the_same_cli():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"kiln": "kiln.build:main"}
+
+
+def test_compile_needs_only_config_json(tiny_dir, tmp_path):
+    """Compiling reads no weights: a directory holding only the model's config.json gives the same
+    plans as the checkpoint (the weights are read at load)."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(Path(tiny_dir) / "config.json", bare / "config.json")
+    full = compile_cli(tiny_dir, tmp_path / "b1", tmp_path / "cache", "--no-progress")
+    only = compile_cli(bare, tmp_path / "b2", tmp_path / "cache", "--no-progress")
+    assert full.returncode == 0 and only.returncode == 0, only.stderr
+    assert Bundle.read(tmp_path / "b1").manifest["plans"] == Bundle.read(tmp_path / "b2").manifest["plans"]

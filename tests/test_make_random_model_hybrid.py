@@ -215,6 +215,30 @@ def test_full_size_names_and_shapes_are_what_transformers_builds(shape):
     assert checkpoint_bytes(shape) == 2 * sum(np.prod(s) for s in want.values())
 
 
+def test_qwen3_30b_a3b_names_and_shapes_are_what_transformers_builds():
+    """The flat Qwen3-MoE shape: per-expert tensors against transformers' stacked experts (meta
+    device), and a config kiln reads as 48 MoE layers of 8 of 128 experts."""
+    from kiln.models.config import ModelConfig
+
+    d = hf_config("qwen3-30b-a3b")
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(transformers.AutoConfig.for_model(**d))
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    fused: dict[str, tuple[int, ...]] = {}
+    for name, s in weight_shapes(d).items():
+        if ".mlp.experts." not in name:
+            fused[name] = s
+            continue
+        layer, rest = name.split(".mlp.experts.")
+        proj = rest.split(".")[1]
+        key = f"{layer}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        fused[key] = (128, *s) if proj == "down_proj" else (128, 2 * s[0], s[1])
+    assert fused == want
+    cfg = ModelConfig.from_hf_dict(d)
+    assert all(cfg.layer_is_moe(i) for i in range(48)) and (cfg.num_experts, cfg.num_experts_per_tok) == (128, 8)
+    assert checkpoint_bytes("qwen3-30b-a3b") == 2 * sum(np.prod(s) for s in want.values())
+
+
 def test_kiln_reads_the_27b_config():
     from kiln.models.config import ModelConfig
 
