@@ -425,15 +425,16 @@ class _Lowerer:
 
     def op_moe_experts(self, node) -> None:
         """The decode path (no sort) for buckets of few assignments, else align + grouped GEMMs
-        (codegen/triton/moe.py): a choice of speed only, both give a token the same bits. The
-        scratch (sorted ids, the [T*k, I] intermediate, ...) is one region per name, shared by
-        every layer and bucket (launches are ordered on the stream)."""
+        (codegen/triton/moe.py): a choice of speed only, both give a token the same bits, so the
+        path and tiles are the bucket's schedule (Configs.moe: schedules/<arch>/moe.yaml, else
+        the defaults). The scratch (sorted ids, the [T*k, I] intermediate, ...) is one region per
+        name, shared by every layer and bucket (launches are ordered on the stream)."""
         x, ids, weights, w13, w2 = (self.buf(t) for t in node.inputs)
         t, k = ids.shape
         e, two_i, h = w13.shape
-        path = k_moe.moe_path(t, k)
-        tiles = k_moe.moe_tiles(t, k, e, h, two_i // 2, self.arch, path)
         dt = dtype_name(x)
+        cfg = self.configs.moe(t, k, e, h, two_i // 2, dt, self.arch)
+        path, tiles = cfg.path, cfg.tiles
         need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=path, block_m=tiles[0].block_m)
         ws = {name: self.workspace(f"moe_{name}", shape, x.np_dtype if d == dt else np.dtype(d))
               for name, (shape, d) in need.items()}

@@ -17,11 +17,15 @@
       - {width: 4096, num_warps: 8, us: 30.1}
       silu_mul:
       - {width: 14336, block: 2048, num_warps: 4, us: 25.0}
+    schedules/sm_90/moe.yaml
+      moe_experts:                     # per (bucket T, MoE layer shape, dtype): the path and both GEMMs' tiles
+      - {t: 1, e: 128, h: 2048, i: 768, top_k: 8, dtype: bfloat16, path: decode, block_m: 16,
+         gate_up_block_n: 32, gate_up_block_k: 128, ..., down_num_stages: 4, us: 41.0}
 
 `build.py tune` writes them (codegen/autotune*.py); `Schedules.lookup` is the hook
 codegen/triton/configs.Configs takes. A GEMM tile entry tuned for M serves every
 bucket up to M (the smallest tuned M that holds the bucket; past the largest, the
-largest). An attention entry serves every max_model_len of its head shape (it holds no
+largest); a MoE entry tuned for T tokens likewise. An attention entry serves every max_model_len of its head shape (it holds no
 reduction knob; the default's seg follows max_model_len). Every YAML file of the arch
 folder is read, whatever its name; `write(family)` rewrites one family's file only.
 Entries written by another compiler version are ignored: a schedule is a measurement
@@ -44,13 +48,15 @@ class ScheduleError(ValueError):
     """A schedules file that cannot be used as it stands (bad YAML, unknown fields)."""
 # the fields of an entry that form its key (the rest is the config, plus the timings);
 # ops not named here (row and elementwise kernels) are keyed by their row width
-KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d", "cache")}
+KEYS = {"gemm_reduction": ("n", "k"), "gemm_tile": ("n", "k"), "paged_attention": ("h", "hkv", "d", "cache"),
+        "moe_experts": ("e", "h", "i", "top_k", "dtype")}
+BUCKET_KEYS = ("m", "t")  # the bucket an entry was tuned at (gemm_tile: M rows; moe_experts: T tokens)
 ROW_KEY = ("width",)
 TIMINGS = {"us", "prefill_us", "split_us", "one_us", "mixed_us"}
-NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "cache", "width"} | TIMINGS
+NOT_CONFIG = {"m", "n", "k", "h", "hkv", "d", "cache", "width", "t", "e", "i", "top_k", "dtype"} | TIMINGS
 # op -> the file (family) its entries are written to; other ops: "rows"
-FAMILY = {"gemm_reduction": "gemm", "gemm_tile": "gemm", "paged_attention": "attention"}
-FAMILIES = ("gemm", "attention", "rows")
+FAMILY = {"gemm_reduction": "gemm", "gemm_tile": "gemm", "paged_attention": "attention", "moe_experts": "moe"}
+FAMILIES = ("gemm", "attention", "rows", "moe")
 
 
 def family(op: str) -> str:
@@ -95,7 +101,7 @@ class Schedules:
         return cls(arch, entries, here)
 
     def write(self, name: str, root: Path | None = None) -> Path:
-        """root/arch/<name>.yaml with the entries of family `name` (gemm, attention, rows) only:
+        """root/arch/<name>.yaml with the entries of family `name` (gemm, attention, rows, moe) only:
         the other families keep their own files, tuned when they were."""
         if name not in FAMILIES:
             raise ValueError(f"unknown schedules family {name!r} (known: {', '.join(FAMILIES)})")
@@ -119,7 +125,7 @@ class Schedules:
 
     @staticmethod
     def _key(op: str, e: Mapping) -> tuple:
-        return tuple(e.get(k) for k in KEYS.get(op, ROW_KEY) + (("m",) if "m" in e else ()))
+        return tuple(e.get(k) for k in KEYS.get(op, ROW_KEY) + tuple(b for b in BUCKET_KEYS if b in e))
 
     def digest(self) -> str:
         """What a bundle compiled with these schedules records, to notice a retune."""
@@ -128,6 +134,15 @@ class Schedules:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # -- the Configs hook ---------------------------------------------------------------
+    def _covering(self, arch: str, hit: list[dict], field: str, at: int) -> dict | None:
+        """The entry tuned at the smallest bucket size (field) that holds `at`; past the largest,
+        the largest. None for another arch's key: a schedule is a measurement of this one."""
+        if arch != self.arch or not hit:
+            return None
+        hit = sorted(hit, key=lambda e: e[field])
+        up = [e for e in hit if e[field] >= at]
+        return _config(up[0] if up else hit[-1])
+
     def lookup(self, op: str, key: tuple) -> dict | None:
         items = self.entries.get(op)
         if not items:
@@ -138,13 +153,10 @@ class Schedules:
             return _config(hit[0]) if hit else None
         if op == "gemm_tile":
             m, n, k, arch = key
-            if arch != self.arch:
-                return None
-            hit = sorted((e for e in items if (e["n"], e["k"]) == (n, k)), key=lambda e: e["m"])
-            if not hit:
-                return None
-            up = [e for e in hit if e["m"] >= m]
-            return _config(up[0] if up else hit[-1])
+            return self._covering(arch, [e for e in items if (e["n"], e["k"]) == (n, k)], "m", m)
+        if op == "moe_experts":  # (t, e, h, i, top_k, dtype, arch)
+            t, arch = key[0], key[-1]
+            return self._covering(arch, [e for e in items if tuple(e.get(f) for f in KEYS[op]) == key[1:-1]], "t", t)
         # paged_attention: (h, hkv, d, cache, max_model_len) -> its (h, hkv, d, cache) entry (cache:
         # None for a cache in the model's dtype, which the entries without the field serve); rows: (width,)
         fields = KEYS.get(op, ROW_KEY)
@@ -152,11 +164,11 @@ class Schedules:
         return _config(hit[0]) if hit else None
 
 
-_ORDER = ("h", "hkv", "d", "width", "n", "k", "m")  # how a file lists an op's entries (then by cache)
+_ORDER = ("h", "hkv", "d", "width", "n", "k", "e", "i", "top_k", "m", "t")  # how a file lists an op's entries
 
 
-def _file_order(e: Mapping) -> tuple:
-    return tuple(e.get(k, 0) for k in _ORDER) + (e.get("cache", ""),)
+def _file_order(e: Mapping) -> tuple:  # (then by cache and dtype)
+    return tuple(e.get(k, 0) for k in _ORDER) + (e.get("cache", ""), e.get("dtype", ""))
 
 
 def _config(e: Mapping) -> dict:

@@ -7,7 +7,8 @@ Two kinds of knobs, kept apart on purpose (DESIGN "Invariance by construction"):
   numbers do not depend on its batch.
 - schedule knobs (GEMM BLOCK_M/BLOCK_N/num_stages and the K block a program loads,
   GemmTile.block_k; attention rows per program and warps, elementwise block sizes,
-  split-KV on/off) may vary per bucket and may be tuned freely.
+  split-KV on/off; every MoE knob, path included: moe_config.py) may vary per bucket and
+  may be tuned freely.
 
 `Configs(lookup=...)` takes a callable `(op, key) -> dict | None` (schedules/ YAML
 reader, later); a miss falls back to the defaults below and says so once.
@@ -247,6 +248,14 @@ class Configs:
 
     def elementwise(self, op: str, width: int) -> ElementwiseConfig:
         return self._get(op, (width,), ElementwiseConfig())
+
+    def moe(self, t: int, top_k: int, e: int, h: int, i: int, dtype: str, arch: str = "sm_90"):
+        """The MoE experts layer's path and tiles for a bucket of T tokens (moe_config.MoeConfig):
+        schedule knobs only, so they may follow the bucket; dtype: the activations' numpy name."""
+        # imported here: moe_config reads the kernels' defaults, and the kernels import this module
+        from kiln.codegen.triton.moe_config import default_moe_config
+
+        return self._get("moe_experts", (t, e, h, i, top_k, dtype, arch), default_moe_config(t, top_k, e, h, i, arch))
 
 
 def attention_cache_key(cache_dtype: str | None) -> str | None:
