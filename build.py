@@ -3,7 +3,7 @@ cmd_* per subcommand; the work is in kiln.loader, kiln.entrypoints, server/ and 
 
     python build.py generate [--model PATH] --prompt TEXT [--chat] [--max-tokens N] [--target T]
     python build.py compile [--model PATH] --target sm_90|sm_121|cpu [--out DIR] [--dump-ir DIR] [--verbose]
-    python build.py tune --model PATH --target sm_90 [--kernels gemm,attention,rows] ...
+    python build.py tune --model PATH --target sm_90 [--kernels gemm,attention,rows,moe] ...
     python build.py serve [--model PATH] [--host H] [--port P] [--api-key KEY] ...  (OpenAI-compatible server)
     python build.py bench --workload NAME [--model PATH] [--target T] [--json OUT] ...  (bench/workloads.py)
 
@@ -115,6 +115,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Sweep kernel schedules for a model's buckets on this machine's GPU; write schedules/<target>/<family>.yaml."""
     from kiln.codegen.autotune import Bench, DryBench, GemmTuner, gemm_problems
     from kiln.codegen.autotune_attention import AttentionTuner, attention_cases, attention_shapes
+    from kiln.codegen.autotune_moe import MoeTuner, moe_problems
     from kiln.codegen.autotune_rows import RowTuner
     from kiln.codegen.buckets import make_buckets
     from kiln.codegen.triton.aot import default_cache_dir
@@ -151,10 +152,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
         elif family == "attention":
             tuned = AttentionTuner(bench).tune(attention_shapes(graph, args.block_size, max_len),
                                                *attention_cases(buckets, max_len))
-        else:  # under the GEMM schedules in force (split-K partials fused into add_rms_norm)
+        elif family == "rows":  # under the GEMM schedules in force (split-K partials fused into add_rms_norm)
             tuned = RowTuner(bench, graph, buckets, lookup=sched.lookup, max_model_len=max_len,
                              block_size=args.block_size).tune()
+        else:
+            tuned = MoeTuner(bench).tune(moe_problems(graph, buckets))
         if args.compile_only:
+            continue
+        if not tuned.entries:  # a dense model has no MoE layer: its moe.yaml stays as it is
+            say(f"no {family} kernels in this model: nothing written")
             continue
         sched.merge(tuned)
         path = sched.write(family, root)
@@ -231,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: SmolLM2-135M-Instruct)")
     t.add_argument("--target", default="sm_90", choices=GPU_TARGETS,
                    help="the GPU to tune for, which must be this machine's (unless --compile-only)")
-    t.add_argument("--kernels", default="gemm,attention,rows",
+    t.add_argument("--kernels", default="gemm,attention,rows,moe",
                    help="kernel families to tune, comma-separated; each is written to "
                         "schedules/<target>/<family>.yaml, the others' files are left alone")
     add_kv_cache_dtype_argument(t)  # attention and the preamble as a bundle with that cache runs them

@@ -8,7 +8,8 @@ of back-to-back launches. `Bench.best` keeps the fastest candidate of each group
 sweep reads back what its launches wrote, a candidate whose bits differ from the default
 config's is never chosen and is listed in `Bench.mismatches` (a schedule knob that changes
 results is a bug to report, not a faster candidate). The sweeps: GEMMs here, paged
-attention in autotune_attention.py, row kernels in autotune_rows.py.
+attention in autotune_attention.py, row kernels in autotune_rows.py, MoE
+experts layers in autotune_moe.py.
 
 GEMMs: for every weight of the fused graph ([N, K]) and every GEMM row count M its
 buckets use, the weight rotates over enough copies that it streams from HBM as in a

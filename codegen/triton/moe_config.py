@@ -15,7 +15,7 @@ live row each: moe_gemm._gemm_spec).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.codegen.triton.moe import moe_path, moe_tiles
 from kiln.codegen.triton.moe_gemm import MoeTile
@@ -57,6 +57,10 @@ class MoeConfig:
         if path == "grouped" and gate_up.block_m != down.block_m:
             raise ValueError("moe schedule: gate_up and down share the align step's block_m")
         return cls(path, gate_up.block_m, *(getattr(gate_up, f) for f in _TILE), *(getattr(down, f) for f in _TILE))
+
+    def with_tile(self, gemm: str, tile: MoeTile) -> "MoeConfig":
+        """This config with gemm's ("gate_up" or "down") tile knobs but block_m (the shared one) from `tile`."""
+        return replace(self, **{f"{gemm}_{f}": getattr(tile, f) for f in _TILE})
 
     def fields(self) -> dict:
         """The entry a schedules file holds for it (every knob, so that it reads on its own)."""
