@@ -7,7 +7,10 @@ text tower under `model.language_model.`; the vision tower and the MTP head are 
 only), Qwen3_5ForCausalLM (`model.`), and Qwen3NextForCausalLM (`model.`, its GDN input
 projections interleaved by key-head group, converted to the flat layout at load: spec 6.1).
 The graph names every weight as a Qwen3_5ForCausalLM checkpoint does; `adapt_weights` maps
-those names onto the files of the other two.
+those names onto the files of the other two. The MoE variants (Qwen3_5MoeForConditionalGeneration,
+Qwen3_5MoeForCausalLM, Qwen3-Next with experts) take models/moe.py's sparse block (routed experts
+and the gated shared expert) in every layer `layer_is_moe` picks; their experts are stacked at
+load from any layout (models/moe_weights.py).
 
 Step inputs: models/llama.py's, plus state_slots: i32[S], each sequence's GDN state slot.
 State: kv_cache.{i} [NB, 2, block_size, Hkv, D] per full-attention layer; gdn_conv.{i}
