@@ -29,5 +29,10 @@ class ConfigError(KilnError, ValueError):
     """A model config lacks a required key or holds an invalid value."""
 
 
+class UnsupportedQuantizationError(KilnError, ValueError):
+    """A checkpoint's quantization (method, scheme or layout) is one kiln cannot run: refused, never
+    run as if unquantized."""
+
+
 class ChatTemplateError(KilnError, ValueError):
     """A chat template failed to render: a syntax error, raise_exception(), or a sandbox refusal."""

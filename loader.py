@@ -8,7 +8,6 @@ runs in its own process (config and tokenizer, no weights).
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,8 +17,9 @@ from typing import Any
 from kiln.errors import GPU_INSTALL_HINT, ConfigError, KilnError, ModelNotFoundError, UnsupportedArchitectureError
 from kiln.graph import DType, Graph
 from kiln.models.config import ModelConfig
+from kiln.models.fp8_weights import check_weight_dtypes
 from kiln.models.registry import get_graph_builder
-from kiln.models.source import ModelSource, open_model
+from kiln.models.source import ModelSource, open_model, read_hf_config
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.runtime.worker.cpu_executor import CpuExecutor
@@ -85,8 +85,8 @@ def open_source(model: str | Path | None = None) -> ModelSource:
 def read_config(model: str | Path | None = None) -> ModelConfig:
     """A model's config; a directory holding only config.json will do (tuning needs shapes only)."""
     cfg_file = Path(model or "") / "config.json"
-    if model and cfg_file.is_file():
-        return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    if model and cfg_file.is_file():  # read_hf_config: hf_quant_config.json beside it counts too
+        return ModelConfig.from_hf_dict(read_hf_config(cfg_file.parent), source=str(cfg_file))
     return open_source(model).config
 
 
@@ -133,6 +133,7 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
     source = open_source(model)
     cfg = source.config
     graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    check_weight_dtypes(graph, source.weights)  # an FP8 tensor read without its scales is refused by name
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
         executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),

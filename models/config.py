@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from kiln.errors import ConfigError
 from kiln.graph.rope import SUPPORTED_ROPE_TYPES
+from kiln.models.quant_config import Fp8Config, parse_quantization
 
 REQUIRED_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
                  "num_hidden_layers", "num_attention_heads")
@@ -64,6 +65,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # -- quantization (models/quant_config.py): the checkpoint's FP8 layout, None for none
+    quantization: Fp8Config | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -153,6 +156,7 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            quantization=parse_quantization(d.get("quantization_config"), arch, source),
             **hybrid,
             **moe,
         )
@@ -162,7 +166,7 @@ _HASH_IF_SET = frozenset(("layer_types", "linear_num_key_heads", "linear_num_val
                           "linear_value_head_dim", "linear_conv_kernel_dim", "norm_offset", "attn_output_gate",
                           "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                           "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-                          "mlp_only_layers"))
+                          "mlp_only_layers", "quantization"))
 
 
 def _hybrid_fields(d: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:

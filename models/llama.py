@@ -16,6 +16,7 @@ from typing import Callable
 
 from kiln.graph import OPS, DType, Graph, Tensor
 from kiln.models.config import ModelConfig
+from kiln.models.fp8_linear import project
 
 MlpBuilder = Callable[[Graph, ModelConfig, int, Tensor, DType], Tensor]
 
@@ -72,9 +73,10 @@ def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dty
     x = g.call1("rms_norm", h, g.weight(f"{p}.input_layernorm.weight", dtype, (H,)), eps=eps,
                 name=f"{n}.input_norm")
     ab = cfg.attention_bias
-    q = _linear(g, x, f"{p}.self_attn.q_proj", nh * D, H, dtype, ab, f"{n}.q_proj")
-    k = _linear(g, x, f"{p}.self_attn.k_proj", nkv * D, H, dtype, ab, f"{n}.k_proj")
-    v = _linear(g, x, f"{p}.self_attn.v_proj", nkv * D, H, dtype, ab, f"{n}.v_proj")
+    # plain or FP8 as the checkpoint says (models/fp8_linear.py); q, k, v share one quantised x
+    q, k, v = project(g, cfg.quantization, x, [(f"{p}.self_attn.{c}_proj", w, f"{n}.{c}_proj") for c, w in
+                                              (("q", nh * D), ("k", nkv * D), ("v", nkv * D))],
+                      H, dtype, ab, f"{n}.qkv_quant")
     q = g.call1("reshape", q, shape=("T", nh, D), name=f"{n}.q_heads")   # [T, nh, D]
     k = g.call1("reshape", k, shape=("T", nkv, D), name=f"{n}.k_heads")  # [T, nkv, D]
     v = g.call1("reshape", v, shape=("T", nkv, D), name=f"{n}.v_heads")
@@ -92,15 +94,18 @@ def _decoder_layer(g: Graph, cfg: ModelConfig, i: int, h: Tensor, inp: dict, dty
     a = g.call1("paged_attention", q, cache, inp["block_table"], inp["seq_lens"],
                 inp["query_start_loc"], scale=D ** -0.5, name=f"{n}.attn")
     a = g.call1("reshape", a, shape=("T", nh * D), name=f"{n}.attn_flat")
-    o = _linear(g, a, f"{p}.self_attn.o_proj", H, nh * D, dtype, ab, f"{n}.o_proj")
+    (o,) = project(g, cfg.quantization, a, [(f"{p}.self_attn.o_proj", H, f"{n}.o_proj")], nh * D, dtype, ab,
+                   f"{n}.o_quant")
     h = g.call1("add", h, o, name=f"{n}.attn_residual")
     x = g.call1("rms_norm", h, g.weight(f"{p}.post_attention_layernorm.weight", dtype, (H,)),
                 eps=eps, name=f"{n}.post_attn_norm")
     if mlp is not None:
         return g.call1("add", h, mlp(g, cfg, i, x, dtype), name=f"{n}.mlp_residual")
     I, mb = cfg.intermediate_size, cfg.mlp_bias
-    gate = _linear(g, x, f"{p}.mlp.gate_proj", I, H, dtype, mb, f"{n}.gate_proj")
-    up = _linear(g, x, f"{p}.mlp.up_proj", I, H, dtype, mb, f"{n}.up_proj")
+    gate, up = project(g, cfg.quantization, x, [(f"{p}.mlp.gate_proj", I, f"{n}.gate_proj"),
+                                                (f"{p}.mlp.up_proj", I, f"{n}.up_proj")], H, dtype, mb,
+                       f"{n}.gate_up_quant")
     act = g.call1("mul", g.call1("silu", gate, name=f"{n}.silu"), up, name=f"{n}.act")
-    down = _linear(g, act, f"{p}.mlp.down_proj", H, I, dtype, mb, f"{n}.down_proj")
+    (down,) = project(g, cfg.quantization, act, [(f"{p}.mlp.down_proj", H, f"{n}.down_proj")], I, dtype, mb,
+                      f"{n}.down_quant")
     return g.call1("add", h, down, name=f"{n}.mlp_residual")

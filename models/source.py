@@ -10,6 +10,7 @@ from typing import Any
 
 from kiln.errors import ConfigError, InvalidModelError, ModelNotFoundError
 from kiln.models.config import ModelConfig
+from kiln.models.fp8_weights import Fp8Weights
 from kiln.models.registry import WEIGHT_ADAPTERS, get_graph_builder
 from kiln.models.weights import WeightSource, gguf_to_hf_config, open_weights
 
@@ -39,15 +40,7 @@ def open_model(path: str | Path) -> ModelSource:
         hf = gguf_to_hf_config(weights.metadata)
         fmt = "gguf"
     else:
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise ModelNotFoundError(f"model directory {path} has no config.json")
-        try:
-            hf = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidModelError(f"{cfg_path} is not valid JSON: {e}") from None
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{cfg_path} must hold a JSON object")
+        hf = read_hf_config(path)
         weights = open_weights(path)
         fmt = "safetensors"
     config = ModelConfig.from_hf_dict(hf, source=str(path / "config.json") if fmt == "safetensors" else str(path))
@@ -55,4 +48,29 @@ def open_model(path: str | Path) -> ModelSource:
     adapt = WEIGHT_ADAPTERS.get(config.architecture)
     if adapt is not None:
         weights = adapt(config, weights)
+    if config.quantization is not None:
+        weights = Fp8Weights(weights)
     return ModelSource(path, fmt, config, weights, hf)
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """A model directory's config.json as a dict. A ModelOpt checkpoint's hf_quant_config.json
+    becomes its quantization_config when config.json has none (vLLM reads it the same way), so a
+    quantized checkpoint is never taken for an unquantized one."""
+    hf = _read_json(path / "config.json", missing=f"model directory {path} has no config.json")
+    quant = path / "hf_quant_config.json"
+    if "quantization_config" not in hf and quant.is_file():
+        hf["quantization_config"] = _read_json(quant)
+    return hf
+
+
+def _read_json(file: Path, missing: str = "") -> dict[str, Any]:
+    if not file.is_file():
+        raise ModelNotFoundError(missing or f"{file} does not exist")
+    try:
+        d = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidModelError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{file} must hold a JSON object")
+    return d

@@ -1,0 +1,171 @@
+"""A checkpoint's quantization, read from its own config: config.json's `quantization_config`
+or ModelOpt's `hf_quant_config.json` beside it. Never guessed from tensor dtypes.
+
+kiln runs three FP8 layouts (W8A8 on the numpy target, graph/fp8_ops.py):
+
+  block-wise   quant_method "fp8" + weight_block_size [bn, bk], activation_scheme "dynamic"
+               (Qwen3-*-FP8, DeepSeek): `weight` e4m3 [N, K], `weight_scale_inv` f32
+               [ceil(N/bn), ceil(K/bk)], a multiplier despite its name (vLLM fp8.py Fp8Config,
+               transformers FineGrainedFP8Config); activations per token per bk columns.
+  FP8_DYNAMIC  quant_method "compressed-tensors", one config group of float 8-bit weights with
+               strategy "channel" or "tensor" (`weight_scale` [N, 1] or [1]) and dynamic per-token
+               float 8-bit input activations (llm-compressor; vLLM CompressedTensorsW8A8Fp8).
+  ModelOpt     quant_algo "FP8" (vLLM modelopt.py ModelOptFp8Config): per-tensor `weight_scale`
+               and a static per-tensor `input_scale`, both f32 scalars.
+
+Anything else (another method, static block activations, an unknown strategy, KV-cache scales)
+is refused in one sentence that names it: running it as if unquantized gives garbage.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kiln.errors import UnsupportedQuantizationError
+
+# The decoder architectures whose graph builders emit FP8 linears (models/fp8_linear.py);
+# any other architecture with a quantization_config is refused, not run in bf16.
+FP8_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+# The smallest activation scale, as vLLM's references clamp it (tests/kernels/quant_utils.py):
+# per-token-group quant clamps the group's amax at 1e-10 (native_per_token_group_quant_fp8);
+# dynamic per-token quant clamps the scale at 1 / (448 * 512) (ref_dynamic_per_token_quant).
+MIN_SCALE_GROUP = 1e-10 / FP8_MAX
+MIN_SCALE_TOKEN = 1.0 / (FP8_MAX * 512.0)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """How a checkpoint's linears are quantised. weight: "block" | "channel" | "tensor";
+    block: (bn, bk) for "block", () otherwise; activation: "group" (dynamic, per token per bk
+    columns) | "token" (dynamic per token) | "static" (the checkpoint's per-tensor input_scale)."""
+    method: str  # the checkpoint's name for it ("fp8", "compressed-tensors", "modelopt"), for messages
+    weight: str
+    activation: str
+    block: tuple[int, ...] = ()
+    scale_name: str = "weight_scale"  # the weight scale's tensor suffix ("weight_scale_inv" for block-wise)
+    targets: tuple[str, ...] = ()  # modules quantised (compressed-tensors); () = every decoder linear
+    ignore: tuple[str, ...] = ()  # modules left unquantised (modules_to_not_convert, ignore, exclude_modules)
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear `module` (e.g. model.layers.0.self_attn.q_proj) is stored in FP8."""
+        if any(_matches(module, p) for p in self.ignore):
+            return False
+        return not self.targets or any(p == "Linear" or _matches(module, p) for p in self.targets)
+
+
+def _matches(module: str, pattern: str) -> bool:
+    """The name patterns the producers write: "re:<regex>" (compressed-tensors), shell wildcards
+    (ModelOpt's exclude_modules), or a module name or a dotted suffix/prefix of one (HF, vLLM)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(module, pattern)
+    return module == pattern or module.endswith("." + pattern) or module.startswith(pattern + ".")
+
+
+def parse_quantization(qc: Any, arch: str, source: str) -> Fp8Config | None:
+    """config.json's quantization_config (or hf_quant_config.json's content) -> Fp8Config,
+    None for no quantization; UnsupportedQuantizationError naming what kiln cannot run."""
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise UnsupportedQuantizationError(f"{source}: quantization_config must be a JSON object, got {qc!r}")
+    if "quantization" in qc and "quant_method" not in qc:  # hf_quant_config.json's nested form
+        method = "modelopt"
+    else:
+        method = str(qc.get("quant_method", "")).lower() or "(none given)"
+    if method == "fp8":
+        cfg = _fp8(qc, source)
+    elif method == "compressed-tensors":
+        cfg = _compressed_tensors(qc, source)
+    elif method == "modelopt":
+        cfg = _modelopt(qc, source)
+    else:
+        raise UnsupportedQuantizationError(f"{source}: quantization method {method!r} is not supported by kiln")
+    if arch not in FP8_ARCHITECTURES:
+        raise UnsupportedQuantizationError(
+            f"{source}: {method} FP8 checkpoints of {arch} are not supported by kiln yet "
+            f"(FP8 runs for {', '.join(FP8_ARCHITECTURES)})")
+    return cfg
+
+
+def _refuse(source: str, what: str) -> UnsupportedQuantizationError:
+    return UnsupportedQuantizationError(f"{source}: {what} is not supported by kiln")
+
+
+def _names(qc: Mapping, *keys: str) -> tuple[str, ...]:
+    for k in keys:
+        v = qc.get(k)
+        if v:
+            return tuple(str(x) for x in v)
+    return ()
+
+
+def _fp8(qc: Mapping, source: str) -> Fp8Config:
+    """HF / vLLM block-wise FP8 (Fp8Config, FineGrainedFP8Config)."""
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise _refuse(source, "quant_method 'fp8' without weight_block_size (per-tensor FP8)")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise UnsupportedQuantizationError(f"{source}: weight_block_size must be two positive integers, got {block!r}")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme != "dynamic":
+        raise _refuse(source, f"block-wise FP8 with activation_scheme {scheme!r}")
+    for key, ok in (("fmt", "e4m3"), ("scale_fmt", "float")):
+        if qc.get(key, ok) != ok:
+            raise _refuse(source, f"block-wise FP8 with {key} {qc[key]!r}")
+    if qc.get("modules_to_convert"):
+        raise _refuse(source, "block-wise FP8 with modules_to_convert (quantised embeddings)")
+    return Fp8Config("fp8", "block", "group", tuple(block), "weight_scale_inv",
+                     ignore=_names(qc, "modules_to_not_convert", "ignored_layers"))
+
+
+def _compressed_tensors(qc: Mapping, source: str) -> Fp8Config:
+    """compressed-tensors FP8 W8A8 with dynamic per-token activations (FP8_DYNAMIC)."""
+    if qc.get("kv_cache_scheme"):
+        raise _refuse(source, "a compressed-tensors kv_cache_scheme (FP8 KV-cache scales)")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        raise _refuse(source, f"a compressed-tensors config with {len(groups)} config groups (kiln runs one)")
+    (name, group), = groups.items()
+    fmt = group.get("format") or qc.get("format")
+    if fmt != "float-quantized":
+        raise _refuse(source, f"compressed-tensors format {fmt!r}")
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("dynamic"):
+        raise _refuse(source, f"compressed-tensors weights {_scheme(w)}")
+    if w.get("strategy") not in ("channel", "tensor"):
+        raise _refuse(source, f"compressed-tensors weight strategy {w.get('strategy')!r}")
+    if not a or a.get("type") != "float" or a.get("num_bits") != 8 or a.get("dynamic") is not True \
+            or a.get("strategy") != "token":
+        raise _refuse(source, f"compressed-tensors input activations {_scheme(a)} (kiln runs dynamic per-token FP8)")
+    if group.get("output_activations"):
+        raise _refuse(source, "compressed-tensors output activation quantisation")
+    targets = tuple(str(t) for t in group.get("targets") or ())
+    if not targets:
+        raise UnsupportedQuantizationError(f"{source}: compressed-tensors config group {name!r} has no targets")
+    return Fp8Config("compressed-tensors", w["strategy"], "token", targets=targets, ignore=_names(qc, "ignore"))
+
+
+def _scheme(d: Mapping | None) -> str:
+    if not d:
+        return "None"
+    return ", ".join(f"{k}={d.get(k)!r}" for k in ("type", "num_bits", "strategy", "dynamic"))
+
+
+def _modelopt(qc: Mapping, source: str) -> Fp8Config:
+    """ModelOpt FP8: hf_quant_config.json's {"quantization": {...}} or the flat config.json form."""
+    q = qc["quantization"] if "quantization" in qc and "quant_algo" not in qc else qc
+    algo = q.get("quant_algo")
+    if algo != "FP8":
+        raise UnsupportedQuantizationError(f"{source}: ModelOpt quant_algo {algo!r} is not supported by kiln "
+                                           f"(kiln runs ModelOpt 'FP8')")
+    if q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme"):
+        kv = q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme")
+        raise _refuse(source, f"ModelOpt KV-cache quantisation {kv!r} (FP8 KV-cache scales)")
+    return Fp8Config("modelopt", "tensor", "static", ignore=_names(q, "exclude_modules", "ignore"))

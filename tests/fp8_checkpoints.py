@@ -1,0 +1,165 @@
+"""Tiny FP8 checkpoints, quantised in numpy from a tiny HF model (tests/tiny_models.py) into the
+layouts the real producers write, with their quantization_config field by field:
+
+  block    HF/vLLM block-wise FP8 (Qwen3-*-FP8): `weight` e4m3, `weight_scale_inv` f32 per
+           [bn, bk] block = amax / 448 (a multiplier), as transformers' Fp8Quantize writes it
+  channel  compressed-tensors FP8_DYNAMIC (llm-compressor): `weight_scale` [N, 1] per row, stored
+           bf16 as llm-compressor stores it for a bf16 model
+  modelopt ModelOpt FP8 (hf_quant_config.json): scalar `weight_scale` and a static scalar
+           `input_scale` = the calibrated input amax / 448 (q/k/v and gate/up see the same input,
+           so their input scales come out equal, as ModelOpt's export makes them)
+
+The non-quantised tensors (embeddings, norms, lm_head) stay bf16, as in the real checkpoints.
+`make_fp8_checkpoint` returns the f32 transformers model whose linears hold the dequantised
+weights W = e4m3 * scale: the oracle without activation rounding.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+
+from tests.tiny_models import make_tiny_model
+
+E4M3 = ml_dtypes.float8_e4m3fn
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+BLOCK_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
+_ARGS = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8, "observer_kwargs": {},
+         "symmetric": True, "type": "float"}
+CHANNEL_CONFIG = {  # llm-compressor's FP8_DYNAMIC preset as it lands in config.json
+    "config_groups": {"group_0": {
+        "input_activations": {**_ARGS, "dynamic": True, "observer": None, "strategy": "token"},
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": {**_ARGS, "dynamic": False, "observer": "minmax", "strategy": "channel"},
+    }},
+    "format": "float-quantized", "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+MODELOPT_CONFIG = {"producer": {"name": "modelopt", "version": "0.29.0"},
+                   "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}
+
+
+def quantize_block(w: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray]:
+    """w: f32 [N, K] -> (e4m3 [N, K], scale f32 [ceil(N/bn), ceil(K/bk)]), scale = block amax / 448."""
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    pad = np.zeros((nb * bn, kb * bk), np.float32)
+    pad[:n, :k] = np.abs(w)
+    amax = pad.reshape(nb, bn, kb, bk).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
+    return np.clip(w / full, -448, 448).astype(E4M3), scale
+
+
+def dequantize_block(q: np.ndarray, scale: np.ndarray, bn: int, bk: int) -> np.ndarray:
+    n, k = q.shape
+    return q.astype(np.float32) * np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
+
+
+def make_fp8_checkpoint(out_dir: Path, variant: str, layout: str, *, block=(16, 16), not_converted=(),
+                        seed: int = 0, calib_prompts=()):
+    """Write variant's tiny model quantised into `layout` under out_dir; return the f32
+    transformers model holding the dequantised weights (the W8A16 oracle). not_converted:
+    modules left bf16 and listed in the config's skip list. calib_prompts: token lists whose
+    per-linear input amax gives ModelOpt's static input scales."""
+    model = make_tiny_model(out_dir, variant, seed=seed, dtype=torch.float32)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    amax = _calibrate(model, calib_prompts) if layout == "modelopt" else {}
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    out: dict[str, np.ndarray] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name, w in sd.items():
+        module = name.rsplit(".", 1)[0]
+        if not (name.endswith(".weight") and module.split(".", 3)[-1] in LINEARS) or module in not_converted:
+            out[name] = w.astype(ml_dtypes.bfloat16)  # stays bf16, as the real checkpoints keep it
+            deq[name] = torch.from_numpy(out[name].astype(np.float32))
+            continue
+        if layout == "block":
+            q, s = quantize_block(w, *block)
+            out[f"{module}.weight_scale_inv"], d = s, dequantize_block(q, s, *block)
+        elif layout == "channel":
+            s = (np.abs(w).max(axis=1, keepdims=True) / 448.0).astype(ml_dtypes.bfloat16)  # [N, 1]
+            q = np.clip(w / s.astype(np.float32), -448, 448).astype(E4M3)
+            out[f"{module}.weight_scale"], d = s, q.astype(np.float32) * s.astype(np.float32)
+        elif layout == "modelopt":
+            s = np.float32(np.abs(w).max() / 448.0)
+            q = np.clip(w / s, -448, 448).astype(E4M3)
+            out[f"{module}.weight_scale"], d = np.array(s, np.float32), q.astype(np.float32) * s
+            out[f"{module}.input_scale"] = np.array(amax[module] / 448.0, np.float32)
+        else:
+            raise ValueError(layout)
+        out[name] = q
+        deq[name] = torch.from_numpy(d.astype(np.float32))
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg["dtype"] = "bfloat16"
+    if layout == "block":
+        cfg["quantization_config"] = {**BLOCK_CONFIG, "weight_block_size": list(block),
+                                      **({"modules_to_not_convert": list(not_converted)} if not_converted else {})}
+    elif layout == "channel":
+        cfg["quantization_config"] = {**CHANNEL_CONFIG, "ignore": ["lm_head", *not_converted]}
+    else:
+        hq = json.loads(json.dumps(MODELOPT_CONFIG))
+        hq["quantization"]["exclude_modules"] += list(not_converted)
+        (out_dir / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    model.load_state_dict(deq, strict=False)
+    # what quantize_activations needs to round the activations as the checkpoint says
+    model.fp8_layout, model.fp8_block, model.fp8_skip = layout, tuple(block), tuple(not_converted)
+    model.fp8_input_scales = {k.rsplit(".", 1)[0]: float(v) for k, v in out.items() if k.endswith(".input_scale")}
+    return model
+
+
+def _calibrate(model, prompts) -> dict[str, float]:
+    """Max |input| of every decoder linear over the calibration prompts (ModelOpt's max calibrator)."""
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if name.split(".", 3)[-1] in LINEARS:
+            def hook(m, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        for p in prompts:
+            model(torch.tensor([p]))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def quantize_activations(model):
+    """Make `model` (from make_fp8_checkpoint) the W8A8 oracle: every FP8 linear's input rounded
+    to e4m3 first, by torch's own float8_e4m3fn cast, as vLLM's references define it
+    (tests/kernels/quant_utils.py): block-wise per token per bk columns, scale = max(amax, 1e-10)
+    / 448 (native_per_token_group_quant_fp8); FP8_DYNAMIC per token, scale clamped at
+    1 / (448 * 512) (ref_dynamic_per_token_quant); ModelOpt by its static input_scale.
+    The linear then multiplies the rounded activation by the dequantised weight."""
+    layout, block, input_scales = model.fp8_layout, model.fp8_block, model.fp8_input_scales
+
+    def hook_for(module_name):
+        def hook(mod, args):
+            x = args[0]
+            k = x.shape[-1]
+            group = block[1] if layout == "block" else k
+            t = x.reshape(-1, k // group, group)
+            if layout == "modelopt":
+                s = torch.tensor(input_scales[module_name], dtype=torch.float32)
+            elif layout == "block":
+                s = t.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+            else:
+                s = (t.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+            q = (t / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+            return ((q * s).reshape(x.shape),)
+        return hook
+    for name, mod in model.named_modules():
+        if name.split(".", 3)[-1] in LINEARS and name not in model.fp8_skip:
+            mod.register_forward_pre_hook(hook_for(name))
+    return model
