@@ -19,7 +19,9 @@ from kiln.passes.fuse_attention_preamble import FuseAttentionPreamble
 from kiln.passes.fuse_gate_up_silu import FuseGateUpSilu
 from kiln.passes.fuse_residual_into_linear import FuseResidualIntoLinear
 from kiln.passes.fuse_rope_into_linear import FuseRopeIntoLinear
+from kiln.passes.fuse_rmsnorm_quant import FuseRmsNormQuant
 from kiln.passes.fuse_silu_mul import FuseSiluMul
+from kiln.passes.fuse_silu_mul_quant import FuseSiluMulQuant
 from kiln.passes.merge_parallel_linears import MergeParallelLinears
 from kiln.passes.sink_logits_gather import SinkLogitsGather
 
@@ -37,6 +39,8 @@ def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope
         *([FuseResidualIntoLinear()] if fuse_residual else []),
         FuseSiluMul(),
         *([FuseGateUpSilu()] if fuse_silu else []),
+        FuseRmsNormQuant(),  # FP8 checkpoints: the norm writes e4m3 + scales for the FP8 linears
+        FuseSiluMulQuant(),  # FP8 checkpoints: SwiGLU writes the down projection's e4m3 input
         FuseAttentionPreamble(),
         *([FuseRopeIntoLinear()] if fuse_rope else []),
         FuseConvSilu(),
