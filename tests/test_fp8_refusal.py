@@ -149,3 +149,16 @@ def test_quantization_keys_the_config_hash(block_dir):
     plain = ModelConfig.from_hf_dict({k: v for k, v in hf.items() if k != "quantization_config"})
     assert fp8.quantization.block == (16, 16) and plain.quantization is None
     assert fp8.compute_hash() != plain.compute_hash()
+
+
+def test_gpu_target_refuses_fp8_in_one_sentence(block_dir, tmp_path, capsys, monkeypatch):
+    """No FP8 GPU kernels yet: compiling for sm_90 stops at the first FP8 op, by name."""
+    pytest.importorskip("triton")
+    from kiln.build import main as build_main
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    rc = build_main(["compile", "--model", str(block_dir), "--target", "sm_90", "--out", str(tmp_path / "out"),
+                     "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                     "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and "cannot be compiled for sm_90 yet: no GPU kernel for op 'rms_norm_quant'" in err
