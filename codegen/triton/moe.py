@@ -4,7 +4,8 @@ wrappers that check and launch them (the kernels: moe_router.py, moe_align.py, m
     router:  moe_router(logits)                            -> topk_ids, topk_weights
     experts: moe_experts(x, topk_ids, topk_weights, w13, w2) -> y [T, H]
 
-Two paths for the experts, chosen per bucket by moe_path (a schedule choice, not a numerics one):
+Two paths for the experts, chosen per bucket by moe_path (a schedule choice, not a numerics one;
+a bucket's schedules entry may take the other, and its own tiles: moe_config.py, Configs.moe):
 - "decode" (T * k <= DECODE_MAX_ASSIGNMENTS): no sorting. moe_gate_up_kernel runs a program per
   (assignment, column block) reading only its expert's w13 rows, and moe_down_kernel a program
   per (token, column block) reading its k experts' w2 rows and summing them in rank order:
