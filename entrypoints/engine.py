@@ -15,6 +15,7 @@ from kiln.runtime.core.scheduler_config import CacheConfig, SchedulerConfig
 from kiln.runtime.engine.core import EngineCore
 from kiln.runtime.engine.core_client import EngineCoreClient
 from kiln.runtime.engine.llm_engine import LLMEngine
+from kiln.runtime.sample.grammar import GrammarTokenizer
 from kiln.runtime.worker.model_runner import ModelRunner
 
 
@@ -55,7 +56,8 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     eos = sorted(tok.eos_token_ids) if tok is not None else []
     runner = ModelRunner(lm.executor, args.block_size, cfg.vocab_size, eos_token_ids=eos,
                          encode=(lambda s: tok.encode(s, add_special_tokens=False)) if tok else None,
-                         seed=args.seed)
+                         seed=args.seed,
+                         grammar_tokenizer=GrammarTokenizer.from_tokenizer(tok, cfg.vocab_size) if tok else None)
     engine = LLMEngine(EngineCore(scheduler, runner), tok, max_model_len=max_len, vocab_size=cfg.vocab_size,
                        eos_token_ids=eos)
     engine.engine_args = args

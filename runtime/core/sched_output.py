@@ -133,6 +133,7 @@ class ModelRunnerOutput:
     logprobs: list[Any] | None = None
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)  # req_id -> LogprobsTensors or None
+    stop_reasons: dict[str, str] = field(default_factory=dict)  # req_id -> why the runner ended it (its last token)
 
     def __post_init__(self) -> None:
         if len(self.sampled_token_ids) != len(self.req_ids):

@@ -101,7 +101,7 @@ def _snapshot_split(start: int, num_new: int, num_tokens: int, interval: int) ->
     return last - start if start < last < start + num_new else num_new
 
 
-def _gdn_aligned_chunk(start: int, num_new: int, align: int) -> int:
+def _gdn_aligned_chunk(start: int, num_new: int, align: int, wait: bool = False) -> int:
     """A prefill chunk [start, start + num_new) that is NOT the last one of its request, cut
     back to end on the last multiple of `align` inside it.
 
@@ -109,14 +109,17 @@ def _gdn_aligned_chunk(start: int, num_new: int, align: int) -> int:
     absolute positions, so chunks that end on those positions make a prompt prefilled over
     several steps go through the same kernel chunks as one prefilled in one step (and give
     the same bits). A chunk lying inside one window (no multiple of `align` in
-    (start, start + num_new]) is kept as it is, so a budget smaller than `align` still makes
-    progress. Behaviour as in vLLM's Scheduler._mamba_block_aligned_split
-    (vllm/v1/core/sched/scheduler.py), which rounds the chunks of mamba_cache_mode "align"
-    down to whole blocks; here the unit is the kernel chunk, the rounding is of the absolute
-    end, and a chunk inside one window runs instead of waiting."""
+    (start, start + num_new]) waits for a later step (0) when `wait`: the caller says so where
+    a whole window can come (the step's budget and the long-prefill threshold reach `align`),
+    as vLLM's Scheduler._mamba_block_aligned_split (vllm/v1/core/sched/scheduler.py) skips a
+    request whose chunk rounds down to nothing. Otherwise (a budget smaller than `align`) it
+    runs as it is, to make progress, and that prompt's bits may differ from a one-step
+    prefill's by rounding."""
     end = start + num_new
     aligned_end = end - end % align
-    return aligned_end - start if aligned_end > start else num_new
+    if aligned_end > start:
+        return aligned_end - start
+    return 0 if wait else num_new
 
 
 def _wants_prompt_rows(request: Request) -> bool:
@@ -171,6 +174,12 @@ class Scheduler:
         self.snapshot_interval = kv_cache_config.state_snapshot_interval if enable_caching else 0
         if self.snapshot_interval:
             self.prefill_chunk_align = self.snapshot_interval
+        # A chunk that cannot reach the next aligned end waits for a step with budget left, where
+        # every step's budget and the long-prefill threshold can hold a whole window.
+        threshold = scheduler_config.long_prefill_token_threshold
+        self.align_waits = bool(self.prefill_chunk_align) and min(
+            scheduler_config.max_num_batched_tokens, threshold or scheduler_config.max_num_batched_tokens
+        ) >= self.prefill_chunk_align
 
     # ------------------------------------------------------------------ requests
 
@@ -268,6 +277,7 @@ class Scheduler:
         align, snap = self.prefill_chunk_align, self.snapshot_interval
         running, scheduled = self.running, step.running_reqs
         num_scheduled = step.num_scheduled_tokens
+        reserve = self._waiting_reserve()
         req_index = 0
         while req_index < len(running) and step.token_budget > 0:
             request = running[req_index]
@@ -285,6 +295,9 @@ class Scheduler:
             wanted = num_new  # what would finish the request's known work
             if 0 < threshold < num_new:
                 num_new = threshold
+            if num_new > step.token_budget - reserve - 1 and computed + 1 < len(request.all_token_ids):
+                # a prefill chunk that would take the rest of the budget (decodes never yield)
+                num_new = min(num_new, self._prefill_room(step, req_index, reserve))
             # vLLM clamps to max_model_len - 1 - computed (for spec tokens),
             # which would strand a prompt of exactly max_model_len tokens.
             if num_new > step.token_budget:  # min(num_new, budget, room), without the call
@@ -296,7 +309,14 @@ class Scheduler:
             if align and 0 < num_new < wanted and computed + num_new < max_model_len:
                 # A hybrid's chunk short of the request's end (after every other cap): cut to
                 # a Gated DeltaNet chunk boundary.
-                num_new = _gdn_aligned_chunk(computed, num_new, align)
+                wait = self.align_waits and not _wants_prompt_rows(request)
+                cut = _gdn_aligned_chunk(computed, num_new, align, wait)
+                if cut == 0 and wait:
+                    # Cut below a window by a share left to waiting requests: a hybrid yields in
+                    # whole windows or not at all (the waiting head gets what is left, if any)
+                    whole = min(wanted, threshold or wanted, step.token_budget, max_model_len - computed)
+                    cut = _gdn_aligned_chunk(computed, whole, align, wait)
+                num_new = cut
             if snap and num_new > 1:
                 num_new = _snapshot_split(computed, num_new, len(request.all_token_ids), snap)
             if num_new <= 0:
@@ -327,6 +347,29 @@ class Scheduler:
             scheduled.append(request)
             step.schedule(request, num_new, new_blocks)
             req_index += 1
+
+    def _prefill_room(self, step: _Step, req_index: int, reserve: int) -> int:
+        """What running[req_index]'s prefill chunk may take: the budget less a token for each
+        decode after it in the running list and the waiting head's reserve. Without the
+        decodes' share, a short request admitted behind a long prefill got its first token and
+        then no other until the prefill ended (running requests are served in order)."""
+        decodes = sum(1 for r in self.running[req_index + 1:] if r.num_computed_tokens + 1 >= len(r.all_token_ids))
+        return max(step.token_budget - decodes - reserve, 0)
+
+    def _waiting_reserve(self) -> int:
+        """Tokens of this step's budget that running prefill chunks leave to the head of the
+        waiting queue: its prompt, at most half the budget (0 when max_num_seqs are running).
+
+        Why (issue 42 #3): running requests are scheduled first, as in vLLM, so one long
+        prompt's chunks took every step's whole budget and a 5-token request arriving behind
+        it waited for the entire prefill (17 s on CPU with a 256-token budget). Leaving room
+        lets a short request in at the next step, within one chunk's time; a long one arriving
+        behind a long one shares the steps half and half. Decodes never yield. A head that then
+        finds no free KV blocks is not admitted, and the prefill lost half a step: rare (the
+        prefill needs blocks too) and bounded, so no block count is guessed here."""
+        if not self.waiting or len(self.running) >= self.max_num_running_reqs:
+            return 0
+        return min(self.waiting.peek_request().num_tokens, self.max_num_scheduled_tokens // 2)
 
     def _preempt_one(self, step: _Step, req_index: int) -> tuple[Request, int]:
         """Preempt one running request to free blocks; -> (victim, adjusted req_index)."""
@@ -387,7 +430,10 @@ class Scheduler:
             if self.prefill_chunk_align and num_new < wanted:
                 # A hybrid's chunk short of the request's end, from where any prefix hit ends:
                 # cut to a Gated DeltaNet chunk boundary (absolute positions).
-                num_new = _gdn_aligned_chunk(num_computed, num_new, self.prefill_chunk_align)
+                num_new = _gdn_aligned_chunk(num_computed, num_new, self.prefill_chunk_align,
+                                             self.align_waits and not _wants_prompt_rows(request))
+                if num_new <= 0:
+                    break  # its chunk waits for a step with a whole window of budget (FCFS: so do later ones)
             if self.snapshot_interval and num_new > 1:
                 num_new = _snapshot_split(num_computed, num_new, request.num_tokens, self.snapshot_interval)
             new_blocks = kv.allocate_slots(request, num_new, num_computed, hit_blocks)
@@ -487,6 +533,8 @@ class Scheduler:
             finish_reason = None
             if append_and_check_stop(request, new_token_ids, max_model_len):
                 finish_reason = request.get_finished_reason()
+                if model_runner_output.stop_reasons:  # e.g. a grammar's dead end forced EOS
+                    request.stop_reason = model_runner_output.stop_reasons.get(rid, request.stop_reason)
                 self._free_request(request)
                 if preempted:
                     stopped_waiting.append(request)

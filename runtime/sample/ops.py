@@ -150,3 +150,13 @@ def random_sample(probs: np.ndarray, generators: Mapping[int, np.random.Generato
     # Exp(1) can round to 0 in float32; 0/0 would be NaN, which argmax picks.
     np.maximum(q, np.finfo(np.float32).tiny, out=q)
     return (probs / q).argmax(axis=1)
+
+
+def apply_token_bitmask(logits: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:
+    """logits[rows[k], t] = -inf where bit t of bits[k] is clear (llguidance's layout: token t is
+    bit t % 32 of word t // 32). logits: f32[B, V] in place; bits: i32[K, ceil(V / 32)]."""
+    V = logits.shape[1]
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
+    sub = logits[rows]
+    sub[~allowed] = NEG_INF
+    logits[rows] = sub

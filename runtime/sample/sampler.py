@@ -107,18 +107,23 @@ class Sampler:
     def __init__(self, seed: Optional[int] = None):
         self._rng = np.random.default_rng(seed)
 
-    def sample(self, logits: np.ndarray, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, V] (any float dtype; not modified) -> SamplerOutput."""
+    def sample(self, logits: np.ndarray, metadata: SamplingMetadata, grammar_bitmask=None) -> SamplerOutput:
+        """logits: [B, V] (any float dtype; not modified) -> SamplerOutput. grammar_bitmask: the
+        constrained rows' allowed tokens (structured_output_manager.GrammarBitmask) or None."""
         md = metadata
         logits = np.asarray(logits)
         if logits.shape != (md.batch_size, md.vocab_size):
             raise ValueError(f"logits {logits.shape} do not match {md.batch_size} requests "
                              f"over a vocabulary of {md.vocab_size}")
         if (md.all_greedy and md.max_num_logprobs is None and logits.dtype == np.float32
-                and not _has_logits_processors(md)):
+                and not _has_logits_processors(md) and grammar_bitmask is None):
             # Nothing below would change the logits: the argmax of the copy is the argmax of these.
             return SamplerOutput(sampled_token_ids=logits.argmax(axis=1).astype(np.int32), logprobs=None)
         logits = np.array(logits, dtype=np.float32)  # a copy: every step below works in place
+        if grammar_bitmask is not None:
+            # Before everything, logprobs included, as vLLM applies the grammar to the logits
+            # before its sampler (vllm/v1/structured_output/utils.py apply_grammar_bitmask).
+            ops.apply_token_bitmask(logits, grammar_bitmask.rows, grammar_bitmask.bits)
         raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
 
         self._apply_logits_processors(logits, md)

@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.runtime.sample.structured_outputs import StructuredOutputsParams
 
 # Below this temperature a request samples greedily (vLLM `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
@@ -74,6 +77,8 @@ class SamplingParams:
     logit_bias: Optional[Mapping[int, float]] = None  # keys normalised to int
     allowed_token_ids: Optional[Sequence[int]] = None  # normalised to tuple[int, ...]
     bad_words: Optional[Sequence[str]] = None  # normalised to tuple[str, ...]; see tokenize_bad_words
+    # the grammar the output must match (runtime/sample/structured_outputs.py), or None
+    structured_outputs: Optional["StructuredOutputsParams"] = None
 
     def __post_init__(self) -> None:
         # Normalise in place once; the instance is frozen from here on.

@@ -22,6 +22,7 @@ from kiln.runtime.worker.persistent_batch import PersistentBatch
 from kiln.runtime.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from kiln.runtime.sample.metadata import SamplingMetadata
 from kiln.runtime.sample.sampling_params import SamplingParams
+from kiln.runtime.sample.structured_output_manager import StructuredOutputManager
 from kiln.runtime.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -35,6 +36,7 @@ class RunnerRequestState:
     generator: np.random.Generator | None = None
     bad_words_token_ids: list | None = None
     prompt_logprobs_done: int = 0  # prompt positions already scored (a resumed request skips them)
+    grammar: object = None  # its RequestGrammar when its output is constrained (structured output)
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +95,7 @@ def _reads_tokens(params: SamplingParams) -> bool:
 class ModelRunner:
     def __init__(self, executor, block_size: int, vocab_size: int, *, eos_token_ids: Sequence[int] = (),
                  encode: Callable[[str], list[int]] | None = None, seed: int | None = None,
-                 gpu_sampling: bool = True) -> None:
+                 gpu_sampling: bool = True, grammar_tokenizer=None) -> None:
         self.executor = executor
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -105,6 +107,7 @@ class ModelRunner:
         make = getattr(executor, "make_sampler", None) if gpu_sampling else None
         self.gpu_sampler = make(seed) if make is not None else None
         self.requests: dict[str, RunnerRequestState] = {}
+        self.structured = StructuredOutputManager(grammar_tokenizer)  # costs nothing until a request is constrained
         self.batch = PersistentBatch(block_size)
         self._num_prompt_logprobs = 0  # held requests with prompt_logprobs set
         self._md_key: tuple = ()  # the states the cached SamplingMetadata was built for
@@ -129,6 +132,7 @@ class ModelRunner:
         st = self.requests.pop(rid, None)
         if st is not None:
             self.batch.remove(st.row)
+            self.structured.drop(st.grammar)
             if st.params.prompt_logprobs is not None:
                 self._num_prompt_logprobs -= 1
 
@@ -150,6 +154,7 @@ class ModelRunner:
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.prompt_token_ids), params, row,
                 generator=params.new_generator(), bad_words_token_ids=bad)
+            self.requests[new.req_id].grammar = self.structured.new_request(params)
             if params.prompt_logprobs is not None:
                 self._num_prompt_logprobs += 1
         c = so.scheduled_cached_reqs
@@ -246,6 +251,10 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         plan = self._chunks(so)
         if self.gpu_sampler is not None:
+            if self.structured.num_requests:
+                # (the server refuses these requests first; this is the offline LLM's message)
+                raise ValueError("structured output runs on the cpu target only: "
+                                 "the GPU sampler has no grammar mask yet")
             return self._execute_sampling_on_device(plan, so.state_saves)
         logits = next(iter(self.executor.execute(self._step_inputs(plan)).values()))
         if so.state_saves:  # the slots as this step left them, kept as snapshots
@@ -257,8 +266,14 @@ class ModelRunner:
             prompt_lps[plan.ids[i]] = self._prompt_logprobs(plan.states[i], start, n, logits[r0:r0 + n])
         sample_idx = plan.sample_idx
         states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
-        out = self.sampler.sample(logits[rows], self._metadata(states)) if states else None
-        return self._output(plan, sample_idx, states, out, prompt_lps)
+        grammars = [st.grammar for st in states] if self.structured.num_requests else None
+        mask = self.structured.bitmask(grammars) if grammars else None
+        out = self.sampler.sample(logits[rows], self._metadata(states), mask) if states else None
+        result = self._output(plan, sample_idx, states, out, prompt_lps)
+        if grammars:
+            self.structured.accept(grammars, result_tokens(result, sample_idx))
+            result.stop_reasons = self.structured.stop_reasons([plan.ids[i] for i in sample_idx], grammars)
+        return result
 
     def _output(self, plan: StepPlan, sample_idx: list[int], states: list[RunnerRequestState], out,
                 prompt_lps: dict, record: bool = True) -> ModelRunnerOutput:
@@ -421,3 +436,8 @@ class ModelRunner:
         """Collect every step in flight."""
         if self._in_flight:
             self.collect(self._in_flight[-1])
+
+
+def result_tokens(out: ModelRunnerOutput, sample_idx: list[int]) -> list[int]:
+    """The token sampled for each sampling request of the step, in sample_idx order."""
+    return [out.sampled_token_ids[i][0] for i in sample_idx]
