@@ -70,6 +70,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "caching on)")
     p.add_argument("--chat-template", help="a Jinja chat template file, or the template's text (default: the "
                    "tokenizer's template)")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
+                   help="split the model's <think> block into reasoning_content (vLLM's flag; default: none, the "
+                   "thinking stays in content)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "qwen3_coder"),
+                   help="read tool calls out of the output: hermes (<tool_call>{json}</tool_call>: Qwen3 and most "
+                   "others) or qwen3_coder (the XML calls of Qwen3-Coder and Qwen3.5/3.6) (default: none)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with a usage chunk, as if stream_options.include_usage were set")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
@@ -114,6 +122,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise KilnError(f"--port must be in [0, 65535], got {args.port}")
     template = read_chat_template(args.chat_template)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise KilnError("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
     if args.model is None:
         from kiln.loader import default_model_path
 
@@ -132,5 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or [default_name]), model_root=root,
         api_key=args.api_key, chat_template=template, enable_force_include_usage=args.enable_force_include_usage,
-        max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy)
+        max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice)
     return run_server(engine_args, config, args.host, args.port, engine_process=args.engine_process)

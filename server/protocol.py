@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from kiln.runtime.sample.sampling_params import InvalidSamplingParamsError, SamplingParams
 from kiln.server.errors import bad_request
+from kiln.server.structured_request import check_tools, parse_tool_choice, response_format_kwargs, structured_kwargs
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 5 (completions) and 20 (chat)
 
@@ -51,15 +52,16 @@ class BaseRequest:
     return_tokens_as_token_ids: bool
     return_token_ids: bool
     prompt_logprobs: Optional[int]
+    structured: Optional[dict]  # StructuredOutputsParams keywords (server/structured_request.py), or None
 
     @property
     def n(self) -> int:
         return self.sampling.get("n", 1)
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                           logprobs_param: str) -> SamplingParams:
+                           logprobs_param: str, structured_outputs=None) -> SamplingParams:
         """SamplingParams for this request; a value out of range is a 400 naming its field."""
-        kw = dict(self.sampling)
+        kw = dict(self.sampling, structured_outputs=structured_outputs)
         if kw.get("logit_bias") is not None:  # OpenAI clamps nothing: it rejects; vLLM clamps. Reject.
             for tok, bias in kw["logit_bias"].items():
                 if not -100 <= bias <= 100:
@@ -89,6 +91,7 @@ class ChatCompletionRequest(BaseRequest):
     chat_template_kwargs: dict = field(default_factory=dict)
     tools: Optional[list] = None
     documents: Optional[list] = None
+    tool_choice: Optional[str | dict] = None  # server/structured_request.py parse_tool_choice
 
 
 # ------------------------------------------------------------------ parsing
@@ -135,12 +138,15 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     if body.get("chat_template") is not None:
         raise bad_request("chat_template in a request is not accepted; start the server with --chat-template.",
                           "chat_template")
-    fmt = check_field(body, "response_format", "object")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(f"response_format {fmt.get('type')!r} is not supported yet; use 'text'.",
-                          "response_format")
+    fmt = response_format_kwargs(check_field(body, "response_format", "object"))
+    if fmt is not None:
+        if base["structured"] is not None:
+            raise bad_request(f"response_format and {base['structured']['field']} cannot both be set.",
+                              "response_format")
+        base["structured"] = fmt
     tools = check_field(body, "tools", "list")
-    _tool_choice(body, tools)
+    check_tools(tools)
+    tool_choice = parse_tool_choice(body, tools)
     add_gen = check_field(body, "add_generation_prompt", "bool")
     cont = bool(check_field(body, "continue_final_message", "bool"))
     if cont and add_gen:
@@ -150,7 +156,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         **base, messages=messages, logprobs=logprobs, top_logprobs=top,
         add_generation_prompt=(not cont) if add_gen is None else add_gen, continue_final_message=cont,
         chat_template_kwargs=check_field(body, "chat_template_kwargs", "object") or {},
-        tools=tools, documents=check_field(body, "documents", "list"))
+        tools=tools, documents=check_field(body, "documents", "list"), tool_choice=tool_choice)
 
 
 def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_special_tokens: bool) -> dict:
@@ -181,7 +187,8 @@ def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_s
         priority=check_field(body, "priority", "int") or 0, request_id=check_field(body, "request_id", "str"),
         add_special_tokens=default_add_special_tokens if add_special is None else add_special,
         return_tokens_as_token_ids=bool(check_field(body, "return_tokens_as_token_ids", "bool")),
-        return_token_ids=bool(check_field(body, "return_token_ids", "bool")), prompt_logprobs=prompt_logprobs)
+        return_token_ids=bool(check_field(body, "return_token_ids", "bool")), prompt_logprobs=prompt_logprobs,
+        structured=structured_kwargs(body))
 
 
 def _prompts(body: dict) -> list:
@@ -234,14 +241,6 @@ def _content(content: Any, i: int) -> Any:
         return "\n".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of content parts.",
                       f"messages[{i}].content")
-
-
-def _tool_choice(body: dict, tools: Optional[list]) -> None:
-    choice = body.get("tool_choice")
-    if choice in (None, "none") or (choice == "auto" and not tools):
-        return
-    raise bad_request("tool calling is not supported yet: tool_choice must be 'none' "
-                      "(tools are still passed to the chat template).", "tool_choice")
 
 
 # ------------------------------------------------------------------ type checks

@@ -7,11 +7,14 @@ content deltas, the finish reason with the last delta, and a usage chunk when as
 """
 from __future__ import annotations
 
+import json
 from typing import Any, AsyncIterator
 
 from kiln.errors import ChatTemplateError
 from kiln.runtime.text.chat_template import render_chat
 from kiln.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kiln.server.chat_output import ChoiceStream, message_fields
+from kiln.server.chat_plan import ChatOutputPlan, plan_chat_output
 from kiln.server.errors import bad_request
 from kiln.server.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
 from kiln.server.protocol import ChatCompletionRequest, parse_chat_request
@@ -26,13 +29,15 @@ class ChatCompletionHandler(OpenAIServingHandler):
     async def post(self) -> None:
         req = parse_chat_request(self.json_body())
         self.check_request(req)
-        ids = self.tokenize(render_prompt(self.state, req), req.add_special_tokens, "messages")
+        prompt = render_prompt(self.state, req)
+        plan = plan_chat_output(self.state, req, prompt)
+        ids = self.tokenize(prompt, req.add_special_tokens, "messages")
         max_tokens = self.max_tokens_for(len(ids), req, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.check_params(req.to_sampling_params(max_tokens, logprobs, "top_logprobs"))
+        params = self.check_params(req.to_sampling_params(max_tokens, logprobs, "top_logprobs", plan.structured))
         rid = self.new_request_id("chatcmpl", req)
         collectors = await self.submit([rid], [ids], [params], stream=req.stream, priority=req.priority)
-        fmt = _Formatter(self, req)
+        fmt = _Formatter(self, req, plan)
         head = {"id": rid, "created": self.created, "model": req.model or self.state.model_name}
         if req.stream:
             await self.run_stream(self._stream(head, req, fmt, collectors, len(ids)))
@@ -89,7 +94,7 @@ def render_prompt(state, req: ChatCompletionRequest) -> str:
     tok = state.engine.tokenizer
     kwargs = {k: v for k, v in req.chat_template_kwargs.items() if k not in _RESERVED}
     try:
-        return render_chat(template, req.messages, add_generation_prompt=req.add_generation_prompt,
+        return render_chat(template, tool_arguments_as_objects(req.messages), add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message, tools=req.tools,
                            documents=req.documents, bos_token=tok and tok.bos_token,
                            eos_token=tok and tok.eos_token, **kwargs)
@@ -97,9 +102,35 @@ def render_prompt(state, req: ChatCompletionRequest) -> str:
         raise bad_request(str(e), "messages") from None
 
 
+def tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """Assistant tool calls carry their arguments as JSON text (OpenAI's form); templates
+    iterate them as objects (`arguments|items`), so they get the parsed object, as vLLM and
+    transformers hand it to them. Text that is not JSON passes as it is."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list) and any(isinstance(c, dict) for c in calls):
+            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _parsed_call(call):
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 class _Formatter:
-    def __init__(self, handler: ChatCompletionHandler, req: ChatCompletionRequest) -> None:
+    def __init__(self, handler: ChatCompletionHandler, req: ChatCompletionRequest, plan: ChatOutputPlan) -> None:
         self.req = req
+        self.plan = plan
+        self.streams: dict[int, ChoiceStream] = {}  # per choice index, while streaming
         engine = handler.state.engine
         decode = (lambda t: engine.decode([t], skip_special_tokens=False)) if engine.tokenizer else str
         self.text_of = TokenText(decode, req.return_tokens_as_token_ids)
@@ -117,17 +148,24 @@ class _Formatter:
         return chat_logprobs(c.token_ids, c.logprobs, self.req.top_logprobs or 0, self.text_of)
 
     def choice(self, ro: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
-        out = {"index": c.index,
-               "message": {"role": "assistant", "content": self.echo_text() + c.text, "reasoning_content": None,
-                           "tool_calls": []},
-               "logprobs": self.logprobs(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        fields = message_fields(self.plan.parser().parse(c.text, final=True))
+        if self.echo_text():
+            fields["content"] = self.echo_text() + (fields["content"] or "")
+        finish = "tool_calls" if fields["tool_calls"] else c.finish_reason
+        out = {"index": c.index, "message": {"role": "assistant", **fields},
+               "logprobs": self.logprobs(c), "finish_reason": finish, "stop_reason": c.stop_reason}
         if self.req.return_token_ids:
             out["token_ids"] = list(c.token_ids)
         return out
 
     def delta(self, c: CompletionOutput) -> dict[str, Any]:
-        out = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": self.logprobs(c),
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        stream = self.streams.get(c.index)
+        if stream is None:
+            stream = self.streams[c.index] = ChoiceStream(self.plan.parser())
+        delta = stream.delta(c.text, final=c.finish_reason is not None)
+        finish = "tool_calls" if c.finish_reason is not None and stream.called else c.finish_reason
+        out = {"index": c.index, "delta": delta, "logprobs": self.logprobs(c),
+               "finish_reason": finish, "stop_reason": c.stop_reason}
         if self.req.return_token_ids:
             out["token_ids"] = list(c.token_ids)
         return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Optional
 
 from kiln.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kiln.server.chat_plan import structured_params
 from kiln.server.logprobs_format import TokenText, completion_logprobs, prompt_logprobs_json
 from kiln.server.protocol import CompletionRequest, parse_completion_request
 from kiln.server.serving_engine import OpenAIServingHandler, StreamChunks, usage
@@ -29,10 +30,11 @@ class CompletionHandler(OpenAIServingHandler):
         self.check_request(req)
         prompts = [_Prompt(p if isinstance(p, str) else None, self.tokenize(p, req.add_special_tokens, "prompt"))
                    for p in req.prompts]
+        structured = structured_params(self.state, req, req.structured) if req.structured else None
         params = []
         for p in prompts:
             max_tokens = self.max_tokens_for(len(p.ids), req, "prompt", default=DEFAULT_MAX_TOKENS)
-            sp = req.to_sampling_params(max_tokens, req.logprobs, "logprobs")
+            sp = req.to_sampling_params(max_tokens, req.logprobs, "logprobs", structured)
             if req.echo and req.logprobs is not None and sp.prompt_logprobs is None:
                 sp = replace(sp, prompt_logprobs=req.logprobs)
             params.append(self.check_params(sp))

@@ -19,6 +19,9 @@ class ServerConfig:
     enable_force_include_usage: bool = False  # a usage chunk at the end of every stream
     max_body_bytes: int = 16 << 20  # larger request bodies get 413
     scheduling_policy: str = "fcfs"  # "priority" accepts the `priority` field
+    reasoning_parser: Optional[str] = None  # server/reasoning: splits <think> into reasoning_content
+    tool_call_parser: Optional[str] = None  # server/tool_parsers: reads tool calls out of the output
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
 
 
 @dataclass
