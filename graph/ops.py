@@ -12,6 +12,7 @@ import numpy as np
 
 from kiln.graph.dtype import DType, to_numpy
 from kiln.graph.op import OpRegistry
+from kiln.graph.paged_attention_ref import paged_attention_ref
 from kiln.graph.rope import rope_parameters
 from kiln.graph.tensor import Tensor
 
@@ -218,32 +219,10 @@ def paged_attention(q, cache, block_table, seq_lens, query_start_loc, *, scale: 
     """q: [T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32[S, MB]; seq_lens: i32[S]
     (context length including this step's tokens); query_start_loc: i32[S+1].
     Sequence s owns query rows qsl[s]:qsl[s+1], the last of its seq_lens[s] positions.
-    Causal; GQA by grouping H // Hkv query heads per KV head."""
-    T, H, D = q.shape
-    bs, hkv = cache.shape[2], cache.shape[3]
-    g = H // hkv
-    out = np.zeros((T, H, D), dtype=_f32)
-    for s in range(len(seq_lens)):
-        q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        n, L = q1 - q0, int(seq_lens[s])
-        if n == 0:
-            continue
-        blocks = block_table[s, : (L + bs - 1) // bs]
-        k = cache[blocks, 0].reshape(-1, hkv, D)[:L].astype(_f32)  # [L, Hkv, D]
-        v = cache[blocks, 1].reshape(-1, hkv, D)[:L].astype(_f32)
-        qs = q[q0:q1].astype(_f32).reshape(n, hkv, g, D)
-        scores = np.einsum("nkgd,lkd->kgnl", qs, k) * _f32(scale)  # [Hkv, g, n, L]
-        qpos = np.arange(L - n, L)[:, None]
-        kpos = np.arange(L)[None, :]
-        mask = kpos > qpos
-        if sliding_window:
-            mask |= kpos <= qpos - sliding_window
-        scores = np.where(mask, -np.inf, scores)
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(axis=-1, keepdims=True)
-        out[q0:q1] = np.einsum("kgnl,lkd->nkgd", p, v).reshape(n, H, D)
-    return _as(out, q)
+    Causal; GQA by grouping H // Hkv query heads per KV head. Tiled over queries, BLAS
+    products, causally dead key blocks skipped (graph/paged_attention_ref.py says why)."""
+    return _as(paged_attention_ref(q, cache, block_table, seq_lens, query_start_loc, scale=scale,
+                                   sliding_window=sliding_window), q)
 
 
 # -- fused ops (produced by passes/) -------------------------------------------------
