@@ -93,19 +93,25 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
                          seq_lens_ptr, qsl_ptr, stride_qk, stride_v, stride_ab, stride_o, scale,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, SINGLE_ONLY: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, BT: tl.constexpr = 64):
     # grid: (S, HV, cdiv(DV, BV)); one value head's [DK, BV] state slice per program.
-    # SINGLE_ONLY: only the sequences with one token this step (a prefill bucket's decodes; the
-    # chunked kernel takes the others), so a decode token has the same bits in every bucket
+    # SINGLE_ONLY: only the tokens alone in their BT-window at the end of this step's chunk: the
+    # one-token sequences (a prefill bucket's decodes) and the last token of a longer sequence
+    # that starts a new window (the chunked kernel, launched before, leaves it and the state
+    # before it in the slot). So a token alone in its window takes this kernel's bits whether
+    # it is a decode, a prompt's last token prefilled in one step, or a one-token prefill chunk
     pdl_enter(PDL)  # before any global access (pdl.py)
     s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
     if q1 <= q0:
         return
+    seq_len = tl.load(seq_lens_ptr + s)
     if SINGLE_ONLY and q1 - q0 != 1:
-        return
-    ctx = tl.load(seq_lens_ptr + s) - (q1 - q0)
+        if seq_len % BT != 1:
+            return
+        q0 = q1 - 1
+    ctx = seq_len - (q1 - q0)
     slot = tl.load(slots_ptr + s).to(tl.int64)
     kh = h // (HV // HK)  # value head h reads key head h // r (repeat_interleave)
     rk = tl.arange(0, BK)
@@ -140,8 +146,9 @@ def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, sta
                        PDL: tl.constexpr = False):
     # grid: (S, HV, cdiv(DV, BV)); BT = the chunk size (64). Every step of the form is
     # separable over the value columns, so a program owns a [DK, BV] slice of the state (the
-    # K K^T solve is recomputed per slice). SKIP_SINGLE: leave one-token sequences to the
-    # recurrent kernel (SINGLE_ONLY), launched beside this one
+    # K K^T solve is recomputed per slice). SKIP_SINGLE: leave the tokens alone in their window
+    # at the end of a chunk (one-token sequences, and a last token that starts a new window) to
+    # the recurrent kernel (SINGLE_ONLY), launched after this one
     pdl_enter(PDL)  # before any global access (pdl.py)
     s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qsl_ptr + s)
@@ -151,7 +158,10 @@ def gdn_chunked_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, sta
         return
     if SKIP_SINGLE and n == 1:
         return
-    ctx = tl.load(seq_lens_ptr + s) - n
+    seq_len = tl.load(seq_lens_ptr + s)
+    ctx = seq_len - n
+    if SKIP_SINGLE and seq_len % BT == 1:
+        n = n - 1  # the last token, alone in its window: the recurrent kernel's
     slot = tl.load(slots_ptr + s).to(tl.int64)
     kh = h // (HV // HK)
     rk, rv, rt = tl.arange(0, BK), vb * BV + tl.arange(0, BV), tl.arange(0, BT)
@@ -314,7 +324,7 @@ def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: 
     bv = min(block_v, next_pow2(dv))
     cx = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk), BV=bv)
     if form == "recurrent":
-        cx.update(SINGLE_ONLY=mixed)
+        cx.update(SINGLE_ONLY=mixed, BT=chunk)
         kernel, warps = "gdn_recurrent_kernel", 4
     elif form == "chunked":
         cx.update(BT=chunk, SKIP_SINGLE=mixed)

@@ -315,7 +315,7 @@ class Scheduler:
                     # Cut below a window by a share left to waiting requests: a hybrid yields in
                     # whole windows or not at all (the waiting head gets what is left, if any)
                     whole = min(wanted, threshold or wanted, step.token_budget, max_model_len - computed)
-                    cut = _gdn_aligned_chunk(computed, whole, align, wait)
+                    cut = whole if whole == wanted else _gdn_aligned_chunk(computed, whole, align, wait)
                 num_new = cut
             if snap and num_new > 1:
                 num_new = _snapshot_split(computed, num_new, len(request.all_token_ids), snap)

@@ -166,6 +166,30 @@ def test_chunked_prefill_split_at_chunk_boundaries_is_bit_identical(rng):
     assert np.array_equal(two, one)
 
 
+def test_a_token_alone_in_its_window_has_the_same_bits_however_the_prompt_was_split(rng):
+    """A 129-token prompt's last token starts a new 64-token window. Prefilled in one step (a
+    mixed bucket: chunked kernel, then recurrent), the chunked kernel stops at 128 and leaves
+    that token to the recurrent kernel; prefilled as 128 + 1 (the scheduler may end a chunk on
+    128), the lone token is a one-token sequence, which the recurrent kernel takes in any
+    bucket. Both give it, and the state after it, the same bits; before this rule the chunked
+    form's one-token window and the recurrent form rounded differently."""
+    ins = _gdn_inputs(rng, BF16, 129)
+    one = np.zeros((2, HV, DK, DV), np.float32)
+    out = np.full((129, HV, DV), np.nan, BF16)
+    gdn.gdn_chunked(*ins, one, *_batch([129], [0], [1]), out, mixed=True)
+    gdn.gdn_recurrent(*ins, one, *_batch([129], [0], [1]), out, mixed=True)
+    ref = _reference(*ins, np.zeros_like(one), *_batch([129], [0], [1]), recurrent=False)
+    assert_close(out, ref, rtol=2e-2, what="129-token prompt")
+    two = np.zeros((2, HV, DK, DV), np.float32)
+    head = [x[:128] for x in ins[:5]]
+    first = np.full((128, HV, DV), np.nan, BF16)
+    gdn.gdn_chunked(*head, *ins[5:], two, *_batch([128], [0], [1]), first, mixed=True)
+    gdn.gdn_recurrent(*head, *ins[5:], two, *_batch([128], [0], [1]), first, mixed=True)
+    last = gdn.gdn_recurrent(*[x[128:] for x in ins[:5]], *ins[5:], two, *_batch([1], [128], [1]))
+    assert np.array_equal(first, out[:128]) and np.array_equal(last, out[128:])
+    assert np.array_equal(two[1], one[1])
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 def test_gated_rms_norm_matches_reference(rng, dtype):
     t = 7

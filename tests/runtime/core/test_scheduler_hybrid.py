@@ -62,6 +62,29 @@ def test_budget_40_runs_inside_a_window_and_aligns_where_it_crosses_one():
     assert ends == [40, 64, 104, 128, 168, 192, 232, 256, 296, 300]
 
 
+def test_a_chunk_that_cannot_reach_a_window_end_waits_when_a_whole_window_fits_the_budget():
+    """Budget 64, a request decoding ahead: the 63 tokens left cannot end a prefill chunk on a
+    multiple of 64, so the long prompt waits (as vLLM's aligned split skips it) instead of
+    running a chunk that ends inside a window; once the budget is whole it runs 64 at a time.
+    Every chunk short of the prompt's end ends on a multiple of 64."""
+    s = _hybrid(max_num_batched_tokens=64)
+    assert s.align_waits
+    s.add_request(make_request("d", list(range(1, 11)), max_tokens=5, ignore_eos=True))
+    s.add_request(make_request("p", list(range(100, 300)), max_tokens=1))
+    ends, steps = [], 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        assert out.total_num_scheduled_tokens > 0
+        if "p" in out.num_scheduled_tokens:
+            ends.append(_starts(out)["p"] + out.num_scheduled_tokens["p"])
+        s.update_from_output(out, _output(out))
+        steps += 1
+        assert steps < 50
+    assert ends == [64, 128, 192, 200]
+    assert not _hybrid(max_num_batched_tokens=40).align_waits
+    assert not _hybrid(max_num_batched_tokens=2048, long_prefill_token_threshold=32).align_waits
+
+
 def test_the_chunk_that_finishes_the_prompt_is_never_cut():
     # 130 tokens fit the budget: one chunk, not 128 + 2
     assert _prefill_ends(_hybrid(max_num_batched_tokens=200), "a", 130) == [130]
@@ -113,18 +136,21 @@ def test_requests_sharing_a_step_each_get_aligned_chunks_and_the_budget_is_right
     assert out.num_scheduled_tokens == {"a": 64, "b": 30} and out.total_num_scheduled_tokens == 94
 
 
-def test_a_running_request_after_an_unaligned_chunk_lands_back_on_a_boundary():
+def test_a_waiting_prompt_whose_chunk_cannot_reach_a_window_end_waits_a_step():
+    """Budget 100: short takes 70, and long's 30 would end inside 0..64, so long waits (a whole
+    window fits a later step's budget); then it runs whole windows beside short's decodes.
+    (Below a 64-token budget a chunk inside a window runs: test_budget_40_...)"""
     s = _hybrid(max_num_batched_tokens=100)
     s.add_request(make_request("short", list(range(1, 71)), max_tokens=8))
     s.add_request(make_request("long", list(range(1, 301)), max_tokens=8))
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"short": 70, "long": 30}  # long's 30: inside 0..64
+    assert out.num_scheduled_tokens == {"short": 70}
     s.update_from_output(out, _output(out))
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"short": 1, "long": 98}  # 30..129 -> 30..128
+    assert out.num_scheduled_tokens == {"short": 1, "long": 64}  # 0..99 -> 0..64
     s.update_from_output(out, _output(out))
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"short": 1, "long": 64}  # 128..227 -> 128..192
+    assert out.num_scheduled_tokens == {"short": 1, "long": 64}  # 64..163 -> 64..128
 
 
 def test_prompt_logprobs_rows_cap_then_align():
