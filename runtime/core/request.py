@@ -19,11 +19,12 @@ from kiln.runtime.core.kv_cache_utils import BlockHash
 
 
 class FinishReason(enum.IntEnum):
-    """Why a request finished, as the API reports it ("stop", "length", "abort")."""
+    """Why a request finished, as the API reports it ("stop", "length", "abort", "error")."""
 
     STOP = 0  # EOS or a stop token (stop strings are the detokenizer's)
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # finished from outside (client gone, error)
+    ERROR = 3  # the engine could not run it (vLLM's FinishReason.ERROR); stop_reason says why
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -38,6 +39,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -52,6 +54,7 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 # max_tokens=None means "until max_model_len".

@@ -134,6 +134,9 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)  # req_id -> LogprobsTensors or None
     stop_reasons: dict[str, str] = field(default_factory=dict)  # req_id -> why the runner ended it (its last token)
+    # req_id -> why the runner could not start it (its own parameters failed there): it is not in
+    # req_ids, and the scheduler finishes it with FinishReason.ERROR; the step's others go on
+    failed: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.sampled_token_ids) != len(self.req_ids):

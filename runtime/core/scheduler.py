@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from kiln.runtime.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kiln.runtime.core.kv_cache_spec import GDN_CHUNK_ALIGN, KVCacheConfig, MambaSpec
 from kiln.runtime.core.kv_cache_utils import get_request_block_hasher
-from kiln.runtime.core.request import Request, RequestStatus
+from kiln.runtime.core.request import FinishReason, Request, RequestStatus
 from kiln.runtime.core.request_queue import SchedulingPolicy, create_request_queue
 from kiln.runtime.core.sched_output import (
     CachedRequestData,
@@ -506,6 +506,10 @@ class Scheduler:
         its token (it is in the runner's copy of the request too, and its recomputation must
         include it); if that token ends it, it leaves the waiting queue."""
         outputs: dict[str, EngineCoreOutput] = {}
+        if model_runner_output.failed:
+            for rid in self.finish_requests(list(model_runner_output.failed), RequestStatus.FINISHED_ERROR):
+                outputs[rid] = EngineCoreOutput(rid, [], FinishReason.ERROR,
+                                                stop_reason=model_runner_output.failed[rid])
         stopped_running: set[int] = set()
         stopped_waiting: list[Request] = []
         index_of = model_runner_output.req_id_to_index

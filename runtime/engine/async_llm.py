@@ -44,6 +44,12 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (it raised, or shutdown() ran); no request can be served."""
 
 
+class RequestFailedError(ValueError):
+    """The engine could not run this one request (FinishReason.ERROR: its own parameters failed
+    inside a step, issue 42 #8); the engine and every other request go on. A ValueError: the
+    server answers 400 with the message, or an error event once streaming."""
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, args: Any = None, model: Any = None) -> None:
         self.engine = engine
@@ -242,7 +248,7 @@ class AsyncLLM:
             for ro in outputs:
                 c = self._collectors.pop(ro.request_id, None) if ro.finished else self._collectors.get(ro.request_id)
                 if c is not None:
-                    by_loop.setdefault(c.loop, []).append((c, ro))
+                    by_loop.setdefault(c.loop, []).append((c, _failure(ro) or ro))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -296,9 +302,18 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> Non
         pass
 
 
+def _failure(ro: RequestOutput) -> Optional[RequestFailedError]:
+    """The error a finished output with finish_reason "error" stands for, else None."""
+    if ro.finished:
+        for c in ro.outputs:
+            if c.finish_reason == "error":
+                return RequestFailedError(f"the engine could not run this request: {c.stop_reason}")
+    return None
+
+
 def _put_all(items: list) -> None:
     for collector, item in items:
         collector.put(item)
 
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestOutputCollector"]

@@ -75,7 +75,7 @@ class LLMEngine:
             return ids
         parent = ParentRequest(request_id, params.n, output_kind)
         for i in range(params.n):
-            child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child = dataclasses.replace(params, n=1, seed=params.child_seed(i))
             self._add_one(ParentRequest.child_id(request_id, i), text, ids, child, output_kind, arrival_time,
                           priority, i, parent)
         return ids

@@ -48,7 +48,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[dict[int, Any]]] = None
-    finish_reason: Optional[str] = None  # "stop", "length", "abort"
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error" (stop_reason says why)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:

@@ -28,6 +28,9 @@ SAMPLING_EPS = 1e-5
 # does (`_MAX_TEMP`) to keep logits / temperature finite in float32. vLLM also
 # raises (0, SAMPLING_EPS) and so samples them; here they stay greedy.
 MIN_TEMPERATURE = 1e-2
+# Seeds a client may send: a signed 64-bit integer, as vLLM's protocol bounds them.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+SEED_MASK = (1 << 64) - 1
 
 
 class InvalidSamplingParamsError(KilnError, ValueError):
@@ -153,8 +156,9 @@ class SamplingParams:
             _fail("bad_words", "bad_words must be non-empty strings.")
         if self.allowed_token_ids is not None and not all(_is_int(t) for t in self.allowed_token_ids):
             _fail("allowed_token_ids", "allowed_token_ids must contain only integers.")
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            # vLLM's bound (a torch long); negative seeds are fine: new_generator maps them
+            _fail("seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}.")
 
     def verify(self, vocab_size: int) -> None:
         """Checks that need the model's vocabulary (vLLM `SamplingParams.verify`)."""
@@ -197,7 +201,17 @@ class SamplingParams:
         """The request's own noise source: seeded requests replay whatever their batch."""
         if self.sampling_type != SamplingType.RANDOM_SEED:
             return None
-        return np.random.default_rng(self.seed)
+        # default_rng refuses negative seeds (issue 42 #8: seed=-5 raised inside the step and
+        # killed the engine); a seed's 64-bit two's complement is its key, as row_seeds takes it
+        # on the GPU. Non-negative seeds are unchanged.
+        return np.random.default_rng(int(self.seed) & SEED_MASK)
+
+    def child_seed(self, index: int) -> Optional[int]:
+        """The seed of completion `index` of an n > 1 request: seed + index, wrapped into the
+        valid range (seed = SEED_MAX must not make its second child invalid mid-add)."""
+        if self.seed is None:
+            return None
+        return (int(self.seed) + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
     def tokenize_bad_words(self, encode: Callable[[str], Sequence[int]],
                            vocab_size: Optional[int] = None) -> tuple[tuple[int, ...], ...]:

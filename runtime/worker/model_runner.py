@@ -10,6 +10,8 @@ with `execute(inputs) -> {name: logits}` and `num_blocks`: numpy now, CUDA later
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import operator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,7 +25,9 @@ from kiln.runtime.sample.sampler import LogprobsTensors, Sampler, compute_logpro
 from kiln.runtime.sample.metadata import SamplingMetadata
 from kiln.runtime.sample.sampling_params import SamplingParams
 from kiln.runtime.sample.structured_output_manager import StructuredOutputManager
-from kiln.runtime.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kiln.runtime.core.sched_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("kiln.model_runner")
 
 
 @dataclass(eq=False)  # identity equality: the sampling-metadata cache keys on the batch's states
@@ -66,6 +70,7 @@ class PendingOutput:
     spots: list[tuple[int, int]]  # per sampled state: (index in its output ids, index in its batch row)
     output: ModelRunnerOutput | None = None
     future: Future = field(default_factory=Future)  # resolved with `output` by ModelRunner.collect
+    failed: dict = field(default_factory=dict)  # ModelRunnerOutput.failed of its step
 
 
 @dataclass
@@ -82,6 +87,23 @@ class StepPlan:
     @property
     def sample_idx(self) -> list[int]:
         return np.flatnonzero(self.sample).tolist()
+
+
+def _without(so: SchedulerOutput, failed: set[str]) -> SchedulerOutput:
+    """The step less the requests that failed to start (the scheduler's own output is left as it
+    is: update_from_output finishes them from ModelRunnerOutput.failed)."""
+    tokens = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in failed}
+    c = so.scheduled_cached_reqs
+    keep = [i for i, rid in enumerate(c.req_ids) if rid not in failed]
+    if len(keep) < len(c.req_ids):
+        c = CachedRequestData([c.req_ids[i] for i in keep], c.resumed_req_ids - failed,
+                              [c.new_token_ids[i] for i in keep],
+                              {r: t for r, t in c.all_token_ids.items() if r not in failed},
+                              [c.new_block_ids[i] for i in keep], [c.num_computed_tokens[i] for i in keep],
+                              [c.num_output_tokens[i] for i in keep])
+    return dataclasses.replace(so, scheduled_new_reqs=[n for n in so.scheduled_new_reqs if n.req_id not in failed],
+                               scheduled_cached_reqs=c, num_scheduled_tokens=tokens,
+                               total_num_scheduled_tokens=sum(tokens.values()))
 
 
 def _reads_tokens(params: SamplingParams) -> bool:
@@ -120,6 +142,10 @@ class ModelRunner:
         self.defer_outputs = False
         self._in_flight: list[PendingOutput] = []  # oldest first
         self.fed_steps = 0  # steps launched with ids fed from the step before (for tests and stats)
+        self._failed: dict[str, str] = {}  # this step's new requests whose state could not be built
+        # ... and those of earlier steps the scheduler has not yet said are finished: with async
+        # scheduling the step after theirs was scheduled before they failed, and names them too
+        self._failed_ids: set[str] = set()
 
     @property
     def launches_ahead(self) -> bool:
@@ -140,21 +166,32 @@ class ModelRunner:
         # Preempted requests keep their state: they come back as resumed cached requests.
         for rid in so.finished_req_ids:
             self._drop(rid)
+        self._failed = {}
+        if self._failed_ids and so.finished_req_ids:
+            self._failed_ids -= so.finished_req_ids
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            bad = None
-            if params.bad_words:
-                if self.encode is None:
-                    raise ValueError("bad_words needs a tokenizer")
-                bad = params.tokenize_bad_words(self.encode, self.vocab_size)
             self._drop(new.req_id)
+            try:  # what the request's own parameters build: a failure there is this request's only
+                bad = None
+                if params.bad_words:
+                    if self.encode is None:
+                        raise ValueError("bad_words needs a tokenizer")
+                    bad = params.tokenize_bad_words(self.encode, self.vocab_size)
+                generator = params.new_generator()
+                grammar = self.structured.new_request(params)
+            except Exception as e:  # (issue 42 #8: seed=-5 once raised here and killed the engine)
+                logger.warning("request %s failed to start", new.req_id, exc_info=True)
+                self._failed[new.req_id] = f"{type(e).__name__}: {e}"
+                self._failed_ids.add(new.req_id)
+                continue
             # a hybrid model's second group is its state: one block, the request's state slot
             row = self.batch.add(new.prompt_token_ids, new.block_ids[0],
                                  new.block_ids[1][0] if len(new.block_ids) > 1 and new.block_ids[1] else -1)
             self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.prompt_token_ids), params, row,
-                generator=params.new_generator(), bad_words_token_ids=bad)
-            self.requests[new.req_id].grammar = self.structured.new_request(params)
+                generator=generator, bad_words_token_ids=bad)
+            self.requests[new.req_id].grammar = grammar
             if params.prompt_logprobs is not None:
                 self._num_prompt_logprobs += 1
         c = so.scheduled_cached_reqs
@@ -245,17 +282,21 @@ class ModelRunner:
         if self._in_flight and (so.finished_req_ids or c.resumed_req_ids or c.all_token_ids):
             self.flush()  # rows are dropped or rewritten below: their placeholders settle first
         self._apply(so)
+        if self._failed_ids:  # run the step without them; the scheduler finishes them (ModelRunnerOutput.failed)
+            so = _without(so, self._failed_ids)
         if so.state_restores:  # prefix-cache hits: snapshots into the slots this step reads
             self.executor.copy_state_slots(so.state_restores)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], failed=self._failed)
         plan = self._chunks(so)
         if self.gpu_sampler is not None:
             if self.structured.num_requests:
                 # (the server refuses these requests first; this is the offline LLM's message)
                 raise ValueError("structured output runs on the cpu target only: "
                                  "the GPU sampler has no grammar mask yet")
-            return self._execute_sampling_on_device(plan, so.state_saves)
+            pending = self._execute_sampling_on_device(plan, so.state_saves)
+            pending.failed = self._failed
+            return pending
         logits = next(iter(self.executor.execute(self._step_inputs(plan)).values()))
         if so.state_saves:  # the slots as this step left them, kept as snapshots
             self.executor.copy_state_slots(so.state_saves)
@@ -270,6 +311,7 @@ class ModelRunner:
         mask = self.structured.bitmask(grammars) if grammars else None
         out = self.sampler.sample(logits[rows], self._metadata(states), mask) if states else None
         result = self._output(plan, sample_idx, states, out, prompt_lps)
+        result.failed = self._failed
         if grammars:
             self.structured.accept(grammars, result_tokens(result, sample_idx))
             result.stop_reasons = self.structured.stop_reasons([plan.ids[i] for i in sample_idx], grammars)
@@ -429,6 +471,7 @@ class ModelRunner:
                         st.output_token_ids[oi] = tok
                         self.batch.token_ids[st.row, bi] = tok
             p.output = self._output(p.plan, p.sample_idx, p.states, out, p.prompt_lps, record=False)
+            p.output.failed = p.failed
             p.future.set_result(p.output)
         return pending.output
 
