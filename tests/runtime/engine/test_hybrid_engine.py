@@ -56,7 +56,7 @@ def test_preemption_recomputes_the_state(hybrid):
     (where it first went through decode steps). On this f32 model every request still gives
     the reference tokens; the agreement is asserted and the count of preemptions checked."""
     d, prompts, ref = hybrid
-    llm = LLM(model=str(d), skip_tokenizer_init=True, kv_cache_tokens=16 * 40, max_num_batched_tokens=64)
+    llm = LLM(model=str(d), skip_tokenizer_init=True, kv_cache_tokens=16 * 40, max_num_batched_tokens=128)
     got = run(llm, prompts)
     assert llm.stats()["num_preemptions"] > 0
     agree = sum(g == w for g, w in zip(got, ref))
