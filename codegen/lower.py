@@ -21,6 +21,8 @@ import numpy as np
 
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import attention_preamble as k_pre
+from kiln.codegen.triton import fp8_gemm as k_fp8
+from kiln.codegen.triton import fp8_quant as k_quant
 from kiln.codegen.triton import gather as k_gather
 from kiln.codegen.triton import gdn as k_gdn
 from kiln.codegen.triton import gemm as k_gemm
@@ -306,6 +308,9 @@ class _Lowerer:
                         red=red, configs=self.configs, arch=self.arch, residual=self.buf(res), workspace=ws)
             return
         norms = [c for c in self.users.get(node.outputs[0], []) if c.op == "rms_norm" and c.inputs[0] == node.outputs[0]]
+        quant = [c for c in self.users.get(node.outputs[0], []) if c.op == "rms_norm_quant" and c.inputs[0] == node.outputs[0]]
+        if len(quant) == 1 and not norms:  # an FP8 model's bf16 linear before its quantising norm
+            return self._linear_add_then_norm_quant(node, quant[0], red, tile, fold)
         if len(norms) != 1:
             raise LoweringError(f"{node.name}: linear_add's output needs one rms_norm reading it (has {len(norms)})")
         norm = norms[0]
@@ -345,6 +350,77 @@ class _Lowerer:
         gate, up = node.inputs
         k_silu.silu_mul(self.buf(gate), self.buf(up), self.buf(node.outputs[0]), n_rows=self.n_rows(gate),
                         configs=self.configs)
+
+    # -- FP8 W8A8 (graph/fp8_ops.py): quantising producers and the FP8 GEMM ------------------
+    def _quant_outs(self, node):
+        """The (e4m3 [T, N], f32 scales) buffers a quantising op writes."""
+        return self.buf(node.outputs[0]), self.buf(node.outputs[1])
+
+    def _static_scales(self, names) -> list[Buf]:
+        """A static quantisation's input scales (weights, f32 [1] each; none: dynamic)."""
+        return [self.buf(t) for t in names if t]
+
+    def op_quant_fp8(self, node) -> None:
+        x = node.inputs[0]
+        q, s = self._quant_outs(node)
+        k_quant.quant_fp8(self.buf(x), *self._static_scales(node.inputs[1:]), q=q, s=s, group=node.attrs["group"],
+                          min_scale=node.attrs.get("min_scale", 0.0), n_rows=self.n_rows(x), configs=self.configs)
+
+    def op_rms_norm_quant(self, node) -> None:
+        x, w = node.inputs[:2]
+        q, s = self._quant_outs(node)
+        a = node.attrs
+        k_quant.rms_norm_quant(self.buf(x), self.buf(w), *self._static_scales(node.inputs[2:]), q=q, s=s,
+                               eps=a["eps"], offset=a.get("offset", 0.0), group=a["group"],
+                               min_scale=a.get("min_scale", 0.0), n_rows=self.n_rows(x), configs=self.configs)
+
+    def op_add_rms_norm_quant(self, node) -> None:
+        x, res, w = node.inputs[:3]
+        q, s = self._quant_outs(node)
+        a = node.attrs
+        k_quant.add_rms_norm_quant(self.buf(x), self.buf(res), self.buf(w), *self._static_scales(node.inputs[3:]),
+                                   q=q, s=s, res_out=self.buf(node.outputs[2]), eps=a["eps"],
+                                   offset=a.get("offset", 0.0), group=a["group"], min_scale=a.get("min_scale", 0.0),
+                                   n_rows=self.n_rows(x), configs=self.configs)
+
+    def op_silu_mul_quant(self, node) -> None:
+        gate, up = node.inputs[:2]
+        q, s = self._quant_outs(node)
+        k_quant.silu_mul_quant(self.buf(gate), self.buf(up), *self._static_scales(node.inputs[2:]), q=q, s=s,
+                               group=node.attrs["group"], min_scale=node.attrs.get("min_scale", 0.0),
+                               n_rows=self.n_rows(gate), configs=self.configs)
+
+    def op_linear_fp8(self, node) -> None:
+        """One launch: the K order is the weight's (fp8_gemm.fp8_reduction), the tile the bucket's
+        (fp8_gemm.fp8_tile: on sm_90 always e4m3 wgmma), so a token's row has one set of bits."""
+        x, xs, w, ws = node.inputs[:4]
+        bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4] else None
+        out = self.buf(node.outputs[0])
+        k_fp8.fp8_gemm(self.buf(x), self.buf(xs), self.buf(w), self.buf(ws), self.buf(bias) if bias else None, out,
+                       block=tuple(node.attrs["block"]), n_rows=self.n_rows(node.outputs[0]),
+                       tile=k_fp8.fp8_tile(out.shape[0], self.arch), arch=self.arch)
+
+    def _linear_add_then_norm_quant(self, node, norm, red, tile, fold) -> None:
+        """op_linear_add where its output's norm quantises (a bf16 o_proj or down left unquantised
+        by an FP8 checkpoint, before an FP8 layer) and the residual stays out of the epilogue: the
+        GEMM writes y (reduced: the quantising norm takes no split-K partials), then
+        add_rms_norm_quant adds the residual, writes h and quantises its norm. The graph's bits:
+        linear_add rounds y before the add, as this does."""
+        x, w, res = node.inputs
+        out = self.buf(node.outputs[0])
+        n, k = self.g.tensors[w].shape
+        m = out.shape[0]
+        y = self.workspace("linear_add_y", (m, n), out.np_dtype)
+        ws = self.workspace("gemm_ws", (red.split_k, m, n)) if k_gemm.needs_workspace(red, tile, fold) else None
+        k_gemm.gemm(self.buf(x), self.buf(w), None, y, n_rows=self.n_rows(node.outputs[0]), workspace=ws, tile=tile,
+                    red=red, configs=self.configs, arch=self.arch)
+        q, s = self._quant_outs(norm)
+        a = norm.attrs
+        k_quant.add_rms_norm_quant(y, self.buf(res), self.buf(norm.inputs[1]), *self._static_scales(norm.inputs[2:]),
+                                   q=q, s=s, res_out=out, eps=a["eps"], offset=a.get("offset", 0.0), group=a["group"],
+                                   min_scale=a.get("min_scale", 0.0), n_rows=self.n_rows(node.outputs[0]),
+                                   configs=self.configs)
+        self.done.add(norm.name)
 
     def op_attention_preamble(self, node) -> None:
         q, k, v, cache, pos, slots = node.inputs[:6]
