@@ -151,8 +151,9 @@ def test_quantization_keys_the_config_hash(block_dir):
     assert fp8.compute_hash() != plain.compute_hash()
 
 
-def test_gpu_target_refuses_fp8_in_one_sentence(block_dir, tmp_path, capsys, monkeypatch):
-    """No FP8 GPU kernels yet: compiling for sm_90 stops at the first FP8 op, by name."""
+def test_gpu_target_compiles_fp8(block_dir, tmp_path, capsys, monkeypatch):
+    """FP8 Llama/Qwen3 compile for sm_90 (codegen/triton/fp8_gemm.py, fp8_quant.py); what kiln
+    cannot run in FP8 (hybrids, MoE) is refused when the config is read, by name, on any target."""
     pytest.importorskip("triton")
     from kiln.build import main as build_main
 
@@ -160,5 +161,5 @@ def test_gpu_target_refuses_fp8_in_one_sentence(block_dir, tmp_path, capsys, mon
     rc = build_main(["compile", "--model", str(block_dir), "--target", "sm_90", "--out", str(tmp_path / "out"),
                      "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                      "--no-progress"])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 1 and "cannot be compiled for sm_90 yet: no GPU kernel for op 'rms_norm_quant'" in err
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "manifest.yaml").is_file()

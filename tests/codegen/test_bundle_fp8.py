@@ -1,0 +1,77 @@
+"""Every bucket of a tiny FP8 Llama and Qwen3 compiles to sm_90 and sm_121a cubins on this CPU
+machine (as test_bundle.py does for bf16): the FP8 GEMM and the quantising kernels in every plan,
+e4m3 weights with their f32 scales in the manifest. And on sm_90 the FP8 GEMM of every default
+tile is e4m3 wgmma, the one instruction for every bucket (codegen/triton/fp8_gemm.py)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from kiln.codegen.compile import compile_bundle
+from kiln.graph import DType
+from kiln.models.config import ModelConfig
+from kiln.models.registry import get_graph_builder
+from kiln.passes.pipeline import run_pipeline
+from tests.fp8_checkpoints import BLOCK_CONFIG, MODELOPT_CONFIG
+from tests.tiny_models import BASE
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_121"])
+@pytest.mark.parametrize("arch,qc", [("LlamaForCausalLM", BLOCK_CONFIG), ("Qwen3ForCausalLM", BLOCK_CONFIG),
+                                     ("LlamaForCausalLM", MODELOPT_CONFIG)], ids=["llama-block", "qwen3-block",
+                                                                                  "llama-modelopt"])
+def test_every_bucket_of_an_fp8_model_compiles(arch, qc, target):
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "quantization_config": qc})
+    graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16))
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    meta, plans = b.manifest["kernels"], b.manifest["plans"]
+    assert set(plans) == {"d1x1", "d2x2", "d4x4", "d8x8", "m16x8", "m32x8", "m64x8"}
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    layers = cfg.num_hidden_layers
+    for p in plans.values():
+        names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
+        assert names["fp8_gemm_kernel"] == 7 * layers, p["bucket"]
+        # per layer: the input norm, o_proj's input, the post-attention norm, SwiGLU
+        assert names["fp8_quant_kernel"] == 4 * layers, p["bucket"]
+    weights = b.manifest["weights"]
+    assert weights["model.layers.0.self_attn.q_proj.weight"][0] == "fp8e4m3"
+    scale = "weight_scale_inv" if qc is BLOCK_CONFIG else "weight_scale"
+    assert weights[f"model.layers.0.mlp.down_proj.{scale}"][0] == "f32"
+
+
+_PTX_PROBE = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.codegen.triton.fp8_gemm import fp8_gemm_spec, fp8_tile
+from kiln.codegen.triton.launch import kernel_fn
+out = {}
+for m in (1, 16, 64, 2048):
+    for groups, block in ((32, (128, 128)), (1, (1, 4096))):
+        spec = fp8_gemm_spec(m, 4096, 4096, groups, block, tile=fp8_tile(m, "sm_90"), arch="sm_90")
+        src = ASTSource(kernel_fn(spec), spec.full_signature(), spec.all_constexprs(), {})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ptx"]
+        out[f"{m}/{groups}"] = sorted(set(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", ptx)))
+print(json.dumps(out))
+"""
+
+
+def test_sm_90_fp8_gemm_is_e4m3_wgmma_in_every_bucket():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    for key, instrs in found.items():
+        assert instrs and all(i.startswith("wgmma.mma_async") and ".e4m3.e4m3" in i for i in instrs), (key, instrs)
