@@ -1,0 +1,97 @@
+"""FP8 W8A8 checkpoints on the GPU (codegen/triton/fp8_gemm.py, fp8_quant.py): the tiny FP8
+checkpoints of tests/fp8_checkpoints.py (block-wise with weight_scale_inv and some linears left
+bf16, compressed-tensors per channel, ModelOpt per tensor with static input scales) through the
+GPU engine, against the cpu target's executor, and the engine's invariance.
+
+Logits oracle. The cpu target runs the FP8 graph with f32 activations, a GPU target with bf16 ones
+(loader.build_graph), so the two differ by more than the FP8 kernels' own error (those are
+checked against numpy under the interpreter, tests/codegen/test_fp8_kernels.py and
+test_lowering_fp8.py): every bf16 rounding of an activation that lands on the other side of an
+e4m3 rounding boundary moves that activation by a whole e4m3 step, and on these tiny random
+models (weights spread wide on purpose) a few such steps move the logits by percent. The
+yardstick is what the storage dtype alone does: the same FP8 graph in bf16, run by the numpy
+executor (the GPU's arithmetic, written independently), against the f32 one. The GPU must be as
+close to the f32 executor as that bf16 reference is, within a factor of 2 plus 1e-2 of the largest
+logit (the GPU's own f32 sums and bf16 attention round otherwise than numpy's, which flips a few
+more e4m3 values: ~2e-3 of the largest logit each, tests/test_fp8_models.py). A wrong scale, a
+missing group or a bf16 GEMM on e4m3 bytes moves the logits by the size of the logits themselves.
+
+Invariance (DESIGN): greedy tokens alone = batched = chunked under a small token budget: on sm_90
+every bucket's FP8 GEMM runs e4m3 wgmma with the weight's K order (fp8_gemm.py), so a token's
+row must be the same bits in every bucket. Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.loader import build_graph, load
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+from tests.fp8_checkpoints import make_fp8_checkpoint
+
+torch = pytest.importorskip("torch")
+
+SKIP = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
+CASES = [("llama_gqa_untied", "block", SKIP), ("qwen3_qknorm", "block", ()), ("llama_gqa_untied", "channel", ()),
+         ("qwen3_qknorm", "modelopt", ())]
+
+
+def _prompts(n: int, seed: int, vocab: int = 256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(k)).tolist() for k in rng.integers(3, 90, size=n)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}{'-skip' if c[2] else ''}")
+def fp8(request, tmp_path_factory, gpu_target):
+    variant, layout, skip = request.param
+    d = tmp_path_factory.mktemp(f"{variant}_{layout}")
+    make_fp8_checkpoint(d, variant, layout, not_converted=skip, calib_prompts=_prompts(8, seed=99))
+    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
+    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
+               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
+    # the same FP8 graph with bf16 activations, on numpy: what the storage dtype alone does
+    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512)
+    return f"{variant}-{layout}", d, cpu, gpu, bf16
+
+
+def _last_logits(executor, out_name, prompts):
+    """Each prompt's last-position logits, all prompts in one step: [len(prompts), V] f32."""
+    free = iter(range(executor.num_blocks))
+    chunks = [SeqChunk(p, 0, [next(free) for _ in range(-(-len(p) // 16))]) for p in prompts]
+    return np.asarray(executor.execute(prepare_step(chunks, 16))[out_name], np.float32)
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_fp8_logits_match_the_cpu_executor(fp8):
+    name, _, cpu, gpu, bf16 = fp8
+    prompts = _prompts(8, seed=1)
+    out = cpu.graph.outputs[0]
+    want = _last_logits(cpu.executor, out, prompts)
+    got = _last_logits(gpu.executor, gpu.graph.outputs[0], prompts)
+    ref16 = _last_logits(bf16, bf16.graph.outputs[0], prompts)
+    assert np.isfinite(got).all(), name
+    errs = [(_rel(g, w), _rel(r, w)) for g, w, r in zip(got, want, ref16)]
+    print(f"\n[{name}] per prompt (GPU vs cpu f32, numpy bf16 vs cpu f32): "
+          + ", ".join(f"{e:.2e}/{r:.2e}" for e, r in errs))
+    for i, (err, storage) in enumerate(errs):
+        assert err <= 2 * storage + 1e-2, f"{name} prompt {i}: {err:.2e} from the cpu target, bf16 storage alone {storage:.2e}"
+
+
+def test_fp8_greedy_alone_batched_chunked(fp8, gpu_target):
+    name, d, _, _, _ = fp8
+    prompts = _prompts(16, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32,
+                  bundle_dir=str(d / "bundle_llm"))
+    big = LLM(d, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, **common)
+    alone = [big.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    batched = [o.outputs[0].token_ids for o in big.generate(prompts, sp)]
+    assert batched == alone, f"{name}: batched differs from alone"
+    small = LLM(d, max_num_batched_tokens=32, kv_cache_tokens=16 * 1024, **common)
+    chunked = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
+    assert chunked == alone, f"{name}: chunked (budget 32) differs from alone"
