@@ -38,9 +38,10 @@ def interpreter():
 pytestmark = pytest.mark.usefixtures("interpreter")
 
 
-def _model():
-    cfg = ModelConfig.from_hf_dict({**HYBRID_BASE, "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4,
-                                    "max_position_embeddings": MAX_LEN})
+def _model(hf: dict | None = None):
+    """A 4-layer hybrid (or the config `hf`) as its fused bf16 graph, with random weights."""
+    cfg = ModelConfig.from_hf_dict(hf or {**HYBRID_BASE, "architectures": ["Qwen3_5ForCausalLM"],
+                                          "num_hidden_layers": 4, "max_position_embeddings": MAX_LEN})
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=BS))
     rng = np.random.default_rng(0)
     weights = {}

@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 
 from kiln.codegen.triton.moe import moe_path
-from kiln.graph import DType, to_numpy
-from kiln.graph.layout import stack_parts
-from kiln.models.config import ModelConfig
-from kiln.models.registry import get_graph_builder
-from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.worker.input_batch import SeqChunk
 from tests.codegen.helpers import require_interpreter
-from tests.codegen.test_lowering_hybrid import BS, DECODE, MAX_LEN, MIXED, _HybridPlan
+from tests.codegen.test_lowering_hybrid import DECODE, MAX_LEN, MIXED, _HybridPlan, _model
 from tests.tiny_models import HYBRID_BASE
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -30,26 +25,15 @@ def interpreter():
     require_interpreter()
 
 
-def _model():
+def _moe_model():
     text = {k: v for k, v in HYBRID_BASE.items() if k != "intermediate_size"}
-    cfg = ModelConfig.from_hf_dict({**text, "architectures": ["Qwen3_5MoeForCausalLM"], "num_hidden_layers": 4,
-                                    "max_position_embeddings": MAX_LEN, "num_experts": 8,
-                                    "num_experts_per_tok": TOP_K, "moe_intermediate_size": 32,
-                                    "shared_expert_intermediate_size": 48})
-    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=BS))
-    rng = np.random.default_rng(0)
-    weights = {}
-    for n, shape in graph.checkpoint_weights().items():
-        x = rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 1.0 / shape[-1] ** 0.5)
-        weights[n] = x.astype(np.float32 if n.endswith(("A_log", "dt_bias")) else to_numpy(DType.bf16))
-    for t in graph.weights:
-        if t.parts:
-            weights[t.name] = stack_parts([weights[p] for p, _ in t.parts], t.interleave)
-    return cfg, graph, weights
+    return _model({**text, "architectures": ["Qwen3_5MoeForCausalLM"], "num_hidden_layers": 4,
+                   "max_position_embeddings": MAX_LEN, "num_experts": 8, "num_experts_per_tok": TOP_K,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
 
 
 def test_moe_plan_matches_numpy():
-    cfg, graph, weights = _model()
+    cfg, graph, weights = _moe_model()
     assert moe_path(MIXED.tokens, TOP_K) == "grouped" and moe_path(DECODE.tokens, TOP_K) == "decode"
     run = _HybridPlan(cfg, graph, weights)
     layers = cfg.num_hidden_layers
