@@ -1,4 +1,5 @@
-"""GET /health (200 while the engine loop lives, 503 once it has died) and GET /version."""
+"""GET /health (200 while the engine loop lives and makes progress, 503 once it has died or
+while it is stalled) and GET /version."""
 from __future__ import annotations
 
 from kiln import __version__
@@ -11,6 +12,9 @@ class HealthHandler(BaseHandler):
         engine = self.state.engine
         if not engine.is_running:
             raise APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
+        stalled = getattr(engine, "stalled_for", 0.0)  # busy with no step done (AsyncLLM.stall_timeout)
+        if stalled:
+            raise APIError(503, f"The engine has made no progress for {stalled:.0f} s.", code="engine_stalled")
         self.set_status(200)
         self.finish()
 

@@ -25,6 +25,7 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -65,6 +66,13 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._dead_error: Optional[BaseException] = None
         self._stopping = False
+        # Progress watch (issue 42 #7: a deadlocked engine-process pipe hung every client while
+        # /health said 200): the engine thread stamps each step and command it finishes; busy
+        # with no stamp for stall_timeout seconds, the engine counts as stalled (/health 503).
+        # A step longer than this (a huge prefill chunk on a slow CPU) reads as a stall too.
+        self.stall_timeout = 60.0
+        self._last_progress = time.monotonic()
+        self._idle = True
         self._thread = threading.Thread(target=self._run, name=f"kiln-engine-{next(_instances)}", daemon=True)
         self._thread.start()
 
@@ -85,6 +93,15 @@ class AsyncLLM:
     @property
     def dead_error(self) -> Optional[BaseException]:
         return self._dead_error
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been busy without finishing a step or a command, once
+        that passes stall_timeout; 0.0 while it makes progress or sits idle."""
+        if self._idle or not self.is_running:
+            return 0.0
+        busy = time.monotonic() - self._last_progress
+        return busy if busy > self.stall_timeout else 0.0
 
     async def check_health(self) -> None:
         """Raise EngineDeadError unless the engine loop is alive."""
@@ -211,12 +228,15 @@ class AsyncLLM:
                 stats_stale |= self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    self._last_progress = time.monotonic()
                     stats_stale = True
                     continue
                 if stats_stale:
                     self._record_idle_stats()
                     stats_stale = False
+                self._idle = True
                 self._wake.wait()
+                self._last_progress, self._idle = time.monotonic(), False
             err: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # the engine itself failed: every caller must hear of it
             logger.exception("engine loop failed")
@@ -240,6 +260,7 @@ class AsyncLLM:
             else:
                 fut.set_result(result)
             self._inflight = None
+            self._last_progress = time.monotonic()
         return ran
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -8,7 +8,8 @@ surface LLMEngine uses from an in-process EngineCore (add_request,
 abort_requests, step, make_stats, snapshot, max_model_len), so LLMEngine and
 AsyncLLM work unchanged on top of it.
 
-Messages (pickled over a multiprocessing Pipe):
+Messages (pickled over a multiprocessing Pipe; the front writes through a PipeWriter thread,
+so that a burst can never leave both sides blocked writing: runtime/engine/pipe_writer.py):
   front -> core: ("add", Request) | ("abort", ([ids], seq)) | ("shutdown", None)
   core -> front: ("ready", info) | ("step", packed outputs, SchedulerStats, tokens, snapshot)
                  | ("idle", SchedulerStats, snapshot, seq) | ("rejected", id, message) | ("error", message)
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable
 from kiln.runtime.core.request import FinishReason, Request
 from kiln.runtime.core.sched_output import EngineCoreOutput
 from kiln.runtime.core.scheduler_stats import PrefixCacheStats, SchedulerStats
+from kiln.runtime.engine.pipe_writer import PipeWriter
 
 
 class EngineCoreDeadError(RuntimeError):
@@ -101,6 +103,9 @@ class EngineCoreClient:
         msg = self._recv()
         if msg[0] != "ready":
             raise EngineCoreDeadError(f"the engine core failed to start: {msg[-1]}")
+        # every send goes through the writer thread: a blocking send here could deadlock against
+        # the core's step sends under a burst (runtime/engine/pipe_writer.py)
+        self._writer = PipeWriter(self._conn)
         self._max_model_len = msg[1]["max_model_len"]
         self._snapshot = msg[1]["snapshot"]
         self._unfinished: set[str] = set()
@@ -118,8 +123,8 @@ class EngineCoreClient:
 
     def _send(self, msg: tuple) -> None:
         try:
-            self._conn.send(msg)
-        except (OSError, BrokenPipeError):
+            self._writer.send(msg)
+        except (OSError, EOFError):
             raise EngineCoreDeadError("the engine core process is gone") from None
 
     @property
@@ -203,9 +208,14 @@ class EngineCoreClient:
         return dict(self._snapshot)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        writer = getattr(self, "_writer", None)  # (absent when the core failed to start)
         try:
-            self._conn.send(("shutdown", None))
-        except (OSError, BrokenPipeError):
+            if writer is not None:
+                writer.send(("shutdown", None))  # after whatever is still queued
+                writer.close(timeout)
+            else:
+                self._conn.send(("shutdown", None))
+        except (OSError, EOFError):
             pass
         self.process.join(timeout)
         if self.process.is_alive():
