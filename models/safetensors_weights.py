@@ -64,30 +64,53 @@ def read_header(file: Path) -> dict[str, _Entry]:
         raise InvalidModelError(f"model file {file} is corrupt: its header is not a JSON object")
 
     base = 8 + n  # data offsets in the header count from the end of the header
-    entries: dict[str, _Entry] = {}
-    need = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_name, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise InvalidModelError(f"model file {file} is corrupt: bad header entry for {name!r}") from None
-        if dtype_name not in DTYPES:
-            raise InvalidModelError(
-                f"model file {file} holds tensor {name!r} of dtype {dtype_name}, which kiln cannot read")
-        dtype = DTYPES[dtype_name]
-        if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
-            raise InvalidModelError(
-                f"model file {file} is corrupt: tensor {name!r} declares {end - begin} bytes "
-                f"for shape {list(shape)} of {dtype_name}")
-        entries[name] = _Entry(file, dtype, shape, base + begin, base + end)
-        need = max(need, end)
+    entries = {name: _entry(file, name, info, base)
+               for name, info in header.items() if name != "__metadata__"}
+    need = max((e.end for e in entries.values()), default=base) - base
     if base + need > size:
         raise InvalidModelError(
             f"model file {file} is truncated or corrupt: expected {need} bytes of tensor data, "
             f"found {size - base}")
+    _check_overlaps(file, entries)
     return entries
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(file: Path, name: str, info, base: int) -> _Entry:
+    """One header entry, every field checked before anything is sized by it (issue 42 #12:
+    string shapes, negative shapes and offsets past the end gave tracebacks, not a sentence)."""
+    bad = f"model file {file} is corrupt: the header entry of tensor {name!r}"
+    if not isinstance(info, dict):
+        raise InvalidModelError(f"{bad} is not an object")
+    dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype_name, str):
+        raise InvalidModelError(f"{bad} has no dtype string")
+    if dtype_name not in DTYPES:
+        raise InvalidModelError(
+            f"model file {file} holds tensor {name!r} of dtype {dtype_name}, which kiln cannot read")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise InvalidModelError(f"{bad} has shape {shape!r}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise InvalidModelError(f"{bad} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    dtype = DTYPES[dtype_name]
+    if end - begin != math.prod(shape) * dtype.itemsize:  # exact ints: no overflow, no float
+        raise InvalidModelError(
+            f"model file {file} is corrupt: tensor {name!r} declares {end - begin} bytes "
+            f"for shape {list(shape)} of {dtype_name}")
+    return _Entry(file, dtype, tuple(shape), base + begin, base + end)
+
+
+def _check_overlaps(file: Path, entries: dict[str, _Entry]) -> None:
+    """Two tensors sharing bytes is a corrupt (or crafted) file: the reference reader refuses it."""
+    spans = sorted((e.start, e.end, name) for name, e in entries.items() if e.end > e.start)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise InvalidModelError(f"model file {file} is corrupt: tensors {a!r} and {b!r} overlap")
 
 
 class SafetensorsWeights(WeightSource):
