@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kiln.errors import ConfigError
+from kiln.models.config_values import flag, opt_int, pos_int, real
 from kiln.graph.rope import SUPPORTED_ROPE_TYPES
 from kiln.models.quant_config import Fp8Config, parse_quantization
 
@@ -111,23 +112,28 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        if d.get("text_config") is not None and not isinstance(d["text_config"], dict):
+            raise ConfigError(f"{source}: text_config must be an object, got {d['text_config']!r}")
         d = dict(d.get("text_config") or {}, **{k: v for k, v in d.items() if k != "text_config"}) \
             if "text_config" in d else dict(d)
+        archs = d.get("architectures")
+        if archs is not None and (not isinstance(archs, list) or not archs or not isinstance(archs[0], str)):
+            raise ConfigError(f"{source}: 'architectures' must be a non-empty list of names, got {archs!r}")
         # a hybrid's text config may have no dense width (qwen3_5_moe: every layer MoE)
-        optional = ("intermediate_size",) if (d.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES else ()
+        optional = ("intermediate_size",) if (archs or [None])[0] in HYBRID_ARCHITECTURES else ()
         missing = [k for k in REQUIRED_KEYS if d.get(k) is None and k not in optional]
         if missing:
             raise ConfigError(f"{source} is missing required key {missing[0]!r}")
-        archs = d["architectures"]
-        if not isinstance(archs, list) or not archs:
-            raise ConfigError(f"{source}: 'architectures' must be a non-empty list, got {archs!r}")
-        heads = _pos_int(d, "num_attention_heads", source)
-        hidden = _pos_int(d, "hidden_size", source)
-        kv_heads = _pos_int(d, "num_key_value_heads", source) if d.get("num_key_value_heads") else heads
+        heads = pos_int(d, "num_attention_heads", source)
+        hidden = pos_int(d, "hidden_size", source)
+        kv_heads = pos_int(d, "num_key_value_heads", source) if d.get("num_key_value_heads") else heads
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                               f"num_key_value_heads ({kv_heads})")
-        head_dim = d.get("head_dim") or hidden // heads
+        head_dim = pos_int(d, "head_dim", source) if d.get("head_dim") is not None else hidden // heads
+        if head_dim <= 0:
+            raise ConfigError(f"{source}: hidden_size ({hidden}) is smaller than num_attention_heads ({heads}); "
+                              "give head_dim")
         act = d.get("hidden_act", d.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
@@ -140,21 +146,22 @@ class ModelConfig:
             d["intermediate_size"] = 0  # an all-MoE config has no dense width
         return cls(
             architecture=arch,
-            vocab_size=_pos_int(d, "vocab_size", source),
+            vocab_size=pos_int(d, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]) if hybrid else _pos_int(d, "intermediate_size", source),
-            num_hidden_layers=_pos_int(d, "num_hidden_layers", source),
+            intermediate_size=opt_int(d, "intermediate_size", source, 0) if hybrid else pos_int(d, "intermediate_size", source),
+            num_hidden_layers=pos_int(d, "num_hidden_layers", source),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=real(d, "rms_norm_eps", source, 1e-6, upper=1.0),
             rope_theta=theta,
             rope_scaling=scaling,
             partial_rotary_factor=partial,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            max_position_embeddings=pos_int(d, "max_position_embeddings", source) if d.get(
+                "max_position_embeddings") is not None else 2048,
+            tie_word_embeddings=flag(d, "tie_word_embeddings", source),
+            attention_bias=flag(d, "attention_bias", source),
+            mlp_bias=flag(d, "mlp_bias", source),
             dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             quantization=parse_quantization(d.get("quantization_config"), arch, source),
             **hybrid,
@@ -174,11 +181,11 @@ def _hybrid_fields(d: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     missing = [k for k in LINEAR_KEYS if d.get(k) is None]
     if missing:
         raise ConfigError(f"{source}: {arch} needs {missing[0]!r} (a Gated DeltaNet field) and it is missing")
-    lin = {k: _pos_int(d, k, source) for k in LINEAR_KEYS}
+    lin = {k: pos_int(d, k, source) for k in LINEAR_KEYS}
     if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
         raise ConfigError(f"{source}: linear_num_value_heads ({lin['linear_num_value_heads']}) is not a multiple "
                           f"of linear_num_key_heads ({lin['linear_num_key_heads']})")
-    n_layers = _pos_int(d, "num_hidden_layers", source)
+    n_layers = pos_int(d, "num_hidden_layers", source)
     types = d.get("layer_types")
     if types is None:  # built from full_attention_interval, as Qwen3NextConfig.__post_init__ does
         interval = d.get("full_attention_interval", 4)
@@ -209,34 +216,32 @@ def _moe_fields(d: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
     only = d.get("mlp_only_layers") or ()
     if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
-    experts, k = _pos_int(d, key, source), _pos_int(d, "num_experts_per_tok", source)
+    experts, k = pos_int(d, key, source), pos_int(d, "num_experts_per_tok", source)
     if k > experts:
         raise ConfigError(f"{source}: num_experts_per_tok ({k}) is more than the {experts} experts")
     return dict(num_experts=experts,
                 num_experts_per_tok=k,
-                moe_intermediate_size=_pos_int(d, "moe_intermediate_size", source),
-                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+                moe_intermediate_size=pos_int(d, "moe_intermediate_size", source),
+                shared_expert_intermediate_size=opt_int(d, "shared_expert_intermediate_size", source, 0),
                 norm_topk_prob=norm,
-                decoder_sparse_step=_pos_int(d, "decoder_sparse_step", source) if d.get("decoder_sparse_step")
+                decoder_sparse_step=pos_int(d, "decoder_sparse_step", source) if d.get("decoder_sparse_step")
                 is not None else 1,
                 mlp_only_layers=tuple(only))
-
-
-def _pos_int(d: Mapping[str, Any], key: str, source: str) -> int:
-    v = d[key]
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
-    return v
 
 
 def _rope(d: Mapping[str, Any], source: str, default_partial: float = 1.0) -> tuple[float, tuple, float]:
     """HF v4 keeps rope_theta and rope_scaling at top level; v5 nests both in rope_parameters.
     Qwen3.5's text-only MRoPE (mrope_section, mrope_interleaved) is the plain 1-D rope: its
     three position rows are equal for text (spec 5.2), so those keys change nothing here."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ConfigError(f"{source}: {key} must be an object, got {d[key]!r}")
     params = dict(d.get("rope_parameters") or {})
     scaling = dict(d.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)))
+    theta = real(d, "rope_theta", source, 10000.0)  # checked even where rope_parameters' wins: a lie is a lie
+    theta = real({"rope_theta": params.pop("rope_theta", theta)}, "rope_theta", source, theta)
+    partial = real({"partial_rotary_factor": params.pop("partial_rotary_factor", d.get("partial_rotary_factor"))},
+                    "partial_rotary_factor", source, default_partial, upper=1.0, inclusive=True)
     for k in ("mrope_section", "mrope_interleaved"):
         params.pop(k, None)
         scaling.pop(k, None)

@@ -121,6 +121,14 @@ class _CheckedReader(GGUFReader):
             return None
 
 
+def _count(metadata: dict, key: str, path: Path, default: int | None = None) -> int:
+    """A positive integer of the metadata (a head or part count), or one sentence naming it."""
+    v = metadata.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise InvalidModelError(f"model file {path} has {key} = {v!r} in its metadata, not a positive integer")
+    return v
+
+
 class GGUFWeights(WeightSource):
     """Tensors of one GGUF file under HF names, [out, in] layout, dequantized on demand."""
 
@@ -135,7 +143,7 @@ class GGUFWeights(WeightSource):
             raise InvalidModelError(f"model file {path} is truncated or corrupt: {e}") from None
         self.metadata = {name: field.contents() for name, field in reader.fields.items()}
         self.metadata[TENSOR_NAMES_KEY] = [t.name for t in reader.tensors]
-        if int(self.metadata.get("split.count", 1)) > 1:
+        if _count(self.metadata, "split.count", path, 1) > 1:
             raise InvalidModelError(
                 f"model file {path} is one part of a {self.metadata['split.count']}-file split GGUF; "
                 "merge the parts with llama-gguf-split --merge first")
@@ -146,8 +154,8 @@ class GGUFWeights(WeightSource):
         if self.architecture == "llama":
             if "llama.attention.head_count" not in self.metadata:
                 raise InvalidModelError(f"model file {path} lacks llama.attention.head_count in its metadata")
-            n_head = int(self.metadata["llama.attention.head_count"])
-            n_kv = int(self.metadata.get("llama.attention.head_count_kv", n_head))
+            n_head = _count(self.metadata, "llama.attention.head_count", path)
+            n_kv = _count(self.metadata, "llama.attention.head_count_kv", path, n_head)
             for name in self._tensors:
                 if ".self_attn.q_proj." in name:
                     self._heads[name] = n_head

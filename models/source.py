@@ -4,6 +4,7 @@ a user can cause becomes one typed error with one sentence."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,27 @@ def open_model(path: str | Path) -> ModelSource:
         fmt = "safetensors"
     config = ModelConfig.from_hf_dict(hf, source=str(path / "config.json") if fmt == "safetensors" else str(path))
     get_graph_builder(config.architecture)  # reject unknown architectures before loading anything
+    _check_layer_count(config, weights, path)
     adapt = WEIGHT_ADAPTERS.get(config.architecture)
     if adapt is not None:
         weights = adapt(config, weights)
     if config.quantization is not None:
         weights = Fp8Weights(weights)
     return ModelSource(path, fmt, config, weights, hf)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_layer_count(config: ModelConfig, weights: WeightSource, path: Path) -> None:
+    """A config claiming more layers than its weights hold is refused before a graph (a node per
+    layer per op) or anything else is sized by it (issue 42 #12: num_hidden_layers 1e9 ran the
+    machine out of memory). Only the highest layer index any tensor name has is compared, so a
+    vision tower or an MTP head can only make the check more lenient."""
+    highest = max((int(m[1]) for n in weights.names() if (m := _LAYER_INDEX.search(n))), default=-1)
+    if highest >= 0 and config.num_hidden_layers > highest + 1:
+        raise InvalidModelError(f"{path}: the config says num_hidden_layers is {config.num_hidden_layers}, "
+                                f"but the weights hold {highest + 1} layers")
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:

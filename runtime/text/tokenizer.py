@@ -11,6 +11,7 @@ gguf_tokenizer.py turns it into the tokenizer transformers builds from the same 
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from kiln.errors import InvalidModelError, ModelNotFoundError
+from kiln.errors import ConfigError, InvalidModelError, ModelNotFoundError
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -102,8 +103,12 @@ class Tokenizer:
         # tokenizer.json's post-processor decides bos/eos: transformers 5 drops tokenizer_config's
         # add_bos_token/add_eos_token whenever a tokenizer.json exists, and so do we.
         template = _chat_template(path, cfg)
-        gen = _read_json(path / "generation_config.json") or _read_json(path / "config.json")
-        return cls(backend, special_tokens=special, extra_eos_token_ids=_ids(gen.get("eos_token_id")),
+        gen_file = path / "generation_config.json"
+        gen = _read_json(gen_file)
+        if not gen:
+            gen_file = path / "config.json"
+            gen = _read_json(gen_file)
+        return cls(backend, special_tokens=special, extra_eos_token_ids=_ids(gen.get("eos_token_id"), str(gen_file)),
                    chat_template=template)
 
     @classmethod
@@ -114,8 +119,8 @@ class Tokenizer:
         backend, special, add_bos, add_eos = build_gguf_tokenizer(metadata)
         set_post_processor(backend, special, add_bos, add_eos)
         # llama.cpp ends generation on any end-of-generation token, not only eos.
-        extra = [metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-                 if metadata.get(k) is not None]
+        extra = _ids([metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                      if metadata.get(k) is not None], "the GGUF metadata's eot/eom token ids")
         return cls(backend, special_tokens=special, extra_eos_token_ids=extra,
                    chat_template=metadata.get("tokenizer.chat_template"))
 
@@ -161,10 +166,15 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: Any, source: str) -> list[int]:
+    """eos_token_id as generation_config.json / config.json hold it: an id or a list of ids.
+    Anything else (issue 42 #12: "abc") is the file's error, said in one sentence."""
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ConfigError(f"{source}: eos_token_id must be a token id or a list of token ids, got {value!r}")
+    return [int(v) for v in ids]
 
 
 def _chat_template(path: Path, cfg: dict) -> str | None:
