@@ -136,12 +136,13 @@ class GGUFWeights(WeightSource):
         path = Path(path)
         try:
             reader = _CheckedReader(path)
+            # (contents() decodes strings and arrays: a lying type or length fails here too)
+            self.metadata = {name: field.contents() for name, field in reader.fields.items()}
         except InvalidModelError:
             raise
-        except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
+        except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as e:
             # Whatever gguf trips over in a damaged header; its message says where.
             raise InvalidModelError(f"model file {path} is truncated or corrupt: {e}") from None
-        self.metadata = {name: field.contents() for name, field in reader.fields.items()}
         self.metadata[TENSOR_NAMES_KEY] = [t.name for t in reader.tensors]
         if _count(self.metadata, "split.count", path, 1) > 1:
             raise InvalidModelError(
@@ -192,6 +193,9 @@ class GGUFWeights(WeightSource):
                     f"model file {self.path} stores {name} as {t.tensor_type.name}, "
                     "which the gguf package cannot dequantize") from None
         if name in self._heads:
+            if shape[0] % (2 * self._heads[name]):
+                raise InvalidModelError(f"model file {self.path}: {name} has {shape[0]} rows, which its "
+                                        f"{self._heads[name]} heads do not divide into rotary pairs")
             w = unpermute_qk(w, self._heads[name])
         return w
 
