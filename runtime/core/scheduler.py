@@ -8,7 +8,10 @@ There is no prefill phase and no decode phase: each request has
 `num_computed_tokens` catching up with `num_tokens`, and a step hands out tokens
 to RUNNING requests first (in order), then admits WAITING ones, while the budget
 (`max_num_batched_tokens`) and `max_num_seqs` last. A long prompt is computed
-in chunks over several steps, mixed with other requests' decodes. When a
+in chunks over several steps, mixed with other requests' decodes; its chunk
+leaves a token for every decode after it and room for the head of the waiting
+queue (`_prefill_room`, `_waiting_reserve`), so a short request arriving behind
+it starts at the next step (vLLM lets the long prompt take the budget). When a
 running request cannot get a KV block, another running request is preempted
 (its blocks freed, recomputed later; FCFS takes the last running one, PRIORITY
 the lowest priority) and no waiting request is admitted in that step.
