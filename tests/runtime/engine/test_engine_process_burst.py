@@ -55,3 +55,23 @@ def test_a_burst_fills_the_pipe_both_ways_and_completes(engine):
         pytest.fail(f"the burst hung: {len(done)} of {N} requests finished")
     assert len(done) == N + 4 and [done.pop(f"first{k}") for k in range(4)] == [1] * 4
     assert set(done.values()) == {4}
+
+
+def test_one_request_with_n_1000_completes(engine):
+    """n: 3000 on the server hung the same way: one add per child, written while the core streams."""
+    sp = SamplingParams(temperature=1.0, seed=3, n=1000, max_tokens=3, ignore_eos=True)
+    result = []
+
+    def run():
+        engine.add_request("fan", [7, 8, 9, 10] * 8, sp)
+        while engine.has_unfinished_requests():
+            result.extend(o for o in engine.step() if o.finished)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    if t.is_alive():
+        engine.core.process.kill()
+        pytest.fail("the n=1000 request hung")
+    assert len(result) == 1 and len(result[0].outputs) == 1000
+    assert all(len(c.token_ids) == 3 for c in result[0].outputs)
