@@ -104,6 +104,9 @@ class SamplingParams:
                 put("logit_bias", {int(t): float(b) for t, b in self.logit_bias.items()})
             except (TypeError, ValueError):
                 _fail("logit_bias", "logit_bias keys must be integer token ids and values numbers.")
+            if not all(math.isfinite(b) for b in self.logit_bias.values()):
+                # a NaN or infinite bias made every logit NaN and sampled token 0, silently
+                _fail("logit_bias", "logit_bias values must be finite numbers.")
         if self.logprobs is True:
             put("logprobs", 1)
         if self.prompt_logprobs is True:

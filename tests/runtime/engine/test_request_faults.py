@@ -91,3 +91,11 @@ def test_async_llm_raises_for_that_request_only(tiny_dir):
 def _args(tiny_dir):
     from kiln.entrypoints.engine_args import EngineArgs
     return EngineArgs(model=str(tiny_dir), skip_tokenizer_init=True, kv_cache_tokens=2048)
+
+
+@pytest.mark.parametrize("bias", [float("nan"), float("inf"), -float("inf")])
+def test_a_logit_bias_that_is_not_finite_is_refused_by_name(bias):
+    """Before: accepted, every logit turned NaN and the request sampled token 0 over and over."""
+    with pytest.raises(InvalidSamplingParamsError, match="logit_bias values must be finite") as e:
+        SamplingParams(logit_bias={5: bias})
+    assert e.value.field == "logit_bias"
