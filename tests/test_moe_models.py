@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kiln.loader import build_graph, load
-from kiln.runtime.worker.generate import greedy_generate
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+from tests.test_qwen3_5 import assert_greedy_steps_match_transformers
 from tests.tiny_moe import MOE_VARIANTS, make_tiny_moe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,18 +50,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny):
     assert moe_layers == {"qwen3_moe": [1, 5], "qwen3_5_moe": list(range(8)),
                           "qwen3_next": [0, 1, 3, 4, 5, 6, 7]}[name]
     prompts = _prompts(1)
-    steps: list[np.ndarray] = []
-    ours = greedy_generate(lm.executor, lm.block_size, prompts, max_tokens=32, logits_out=steps)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, output_logits=True,
-                                 return_dict_in_generate=True)
-        assert ours[i] == ref.sequences[0, len(p):].tolist(), f"{name}: greedy tokens differ ({len(p)}-token prompt)"
-        for t, want in enumerate(ref.logits):
-            got, want = steps[t][i], want[0].numpy()
-            rel = np.abs(got - want).max() / np.abs(want).max()
-            assert rel < 1e-4, f"{name} prompt {i} step {t}: max relative error {rel:.2e}"
+    assert_greedy_steps_match_transformers(name, lm, model, prompts)
 
 
 def test_per_expert_and_stacked_layouts_give_identical_logits(tiny):

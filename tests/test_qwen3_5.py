@@ -35,10 +35,9 @@ def _prompts(seed: int) -> list[list[int]]:
     return [rng.integers(3, 256, n).tolist() for n in LENGTHS]
 
 
-def test_logits_and_greedy_tokens_match_transformers(tiny):
-    name, path, model = tiny
-    lm = load(path, tokenizer=False)
-    prompts = _prompts(1)
+def assert_greedy_steps_match_transformers(name: str, lm, model, prompts) -> None:
+    """kiln's 32 greedy tokens equal transformers' for each prompt, and every step's logits are
+    within 1e-4 relative (the plain greedy loop, runtime/worker/generate.py)."""
     steps: list[np.ndarray] = []
     ours = greedy_generate(lm.executor, lm.block_size, prompts, max_tokens=32, logits_out=steps)
     for i, p in enumerate(prompts):
@@ -51,6 +50,13 @@ def test_logits_and_greedy_tokens_match_transformers(tiny):
             got, want = steps[t][i], want[0].numpy()
             rel = np.abs(got - want).max() / np.abs(want).max()
             assert rel < 1e-4, f"{name} prompt {i} step {t}: max relative error {rel:.2e}"
+
+
+def test_logits_and_greedy_tokens_match_transformers(tiny):
+    name, path, model = tiny
+    lm = load(path, tokenizer=False)
+    prompts = _prompts(1)
+    assert_greedy_steps_match_transformers(name, lm, model, prompts)
 
 
 def test_prefill_logits_of_every_token(tiny):
