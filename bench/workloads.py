@@ -173,17 +173,32 @@ def progress(llm, a, total: int, desc: str):
 
 
 def weight_bytes_per_token(llm) -> int:
-    """Bytes of weights one decode token reads: all of them, except that an untied embedding table
-    gives one row (a tied one is read whole by the LM head)."""
+    """Bytes of weights one batch-1 decode token reads: all of them, except that an untied embedding
+    table gives one row (a tied one is read whole by the LM head) and a stacked expert tensor
+    ([num_experts, ...]) gives the num_experts_per_tok experts the router picks."""
     from kiln.graph import to_numpy
 
-    weights = {t.name: to_numpy(t.dtype).itemsize * int(np.prod(t.shape)) for t in llm.model.graph.weights}
+    cfg = llm.model.source.config
+    weights = {}
+    for t in llm.model.graph.weights:
+        n = to_numpy(t.dtype).itemsize * int(np.prod(t.shape))
+        if cfg.num_experts and len(t.shape) == 3 and t.shape[0] == cfg.num_experts and ".experts." in t.name:
+            n = n // cfg.num_experts * cfg.num_experts_per_tok
+        weights[t.name] = n
     total = sum(weights.values())
     embed = "model.embed_tokens.weight"
     if "lm_head.weight" in weights and embed in weights:
-        cfg = llm.model.source.config
         total -= weights[embed] - weights[embed] // cfg.vocab_size
     return total
+
+
+def state_bytes_per_token(llm) -> int:
+    """Bytes of per-request recurrent state (GDN conv and SSM state: the graph's states sized per
+    slot, 'NS') one decode token reads and writes back: 2 x one slot of each."""
+    from kiln.graph import to_numpy
+
+    return sum(2 * to_numpy(s.dtype).itemsize * int(np.prod(s.shape[1:]))
+               for s in llm.model.graph.states if s.shape and s.shape[0] == "NS")
 
 
 # -- the workloads ---------------------------------------------------------------------------------
@@ -204,8 +219,10 @@ def decode(a) -> dict:
                 produced += check_lengths(out, [a.steps + 1])
                 tpots.append(out[0].metrics.tpot)  # (last token - first token) / steps: decode steps only
         res = {"metric": "decode_tok_s", "value": 1 / statistics.median(tpots)}
-        nbytes = weight_bytes_per_token(llm)
-        res["roofline"] = {"tok_s": bandwidth / nbytes, "weight_bytes_per_token": nbytes,
+        wbytes, sbytes = weight_bytes_per_token(llm), state_bytes_per_token(llm)
+        nbytes = wbytes + sbytes
+        res["roofline"] = {"tok_s": bandwidth / nbytes, "bytes_per_token": nbytes, "weight_bytes_per_token": wbytes,
+                           "state_bytes_per_token": sbytes,
                            "copy_bandwidth_GBps": bandwidth / 1e9, "bandwidth_counts": BANDWIDTH_DEFINITION}
         if a.target != "cpu":
             from kiln.bench.device import gpu_only_decode_ms

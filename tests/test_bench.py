@@ -72,7 +72,39 @@ def test_decode(tmp_path, tiny_ckpt):
     # f32 on the numpy target: every weight but the embedding table's unread rows
     assert roof["weight_bytes_per_token"] == 4 * (2 * (64 + 4 * 16 * 64 * 2 + 2 * 16 * 64 * 2 + 64 + 3 * 64 * 128)
                                                   + 64 + 320 * 64 + 64)
-    assert roof["tok_s"] == pytest.approx(roof["copy_bandwidth_GBps"] * 1e9 / roof["weight_bytes_per_token"])
+    assert roof["state_bytes_per_token"] == 0 and roof["bytes_per_token"] == roof["weight_bytes_per_token"]
+    assert roof["tok_s"] == pytest.approx(roof["copy_bandwidth_GBps"] * 1e9 / roof["bytes_per_token"])
+
+
+def test_decode_roofline_of_a_moe_hybrid_counts_the_routed_experts_and_the_state(tmp_path):
+    """The MoE hybrid's roofline bytes, counted independently from transformers' own parameters: all
+    of them in f32 but the experts not routed to (num_experts_per_tok of num_experts are read) and the
+    untied embedding's unread rows; plus each GDN layer's conv and SSM state read and written."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ckpt = make_random_model("tiny-qwen3.6-moe", tmp_path / "ckpt")
+    rec = run_bench(tmp_path, ckpt, "decode")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = cfg["text_config"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    e, k = text["num_experts"], text["num_experts_per_tok"]
+    want = 0
+    for name, p in model.named_parameters():
+        n = 4 * p.numel()
+        if ".mlp.experts." in name:
+            n = n // e * k
+        if name.endswith("embed_tokens.weight") and not text.get("tie_word_embeddings", False):
+            n = 4 * p.shape[1]
+        want += n
+    gdn = sum(t == "linear_attention" for t in text["layer_types"])
+    key_dim = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    value_dim = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    conv = (2 * key_dim + value_dim) * (text["linear_conv_kernel_dim"] - 1)
+    ssm = text["linear_num_value_heads"] * text["linear_key_head_dim"] * text["linear_value_head_dim"]
+    roof = rec["roofline"]
+    assert roof["weight_bytes_per_token"] == want
+    assert roof["state_bytes_per_token"] == 2 * 4 * gdn * (conv + ssm)
+    assert roof["bytes_per_token"] == want + roof["state_bytes_per_token"]
 
 
 def test_prefill(tmp_path, tiny_ckpt):
