@@ -250,8 +250,12 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def make_random_model(shape: str, out: str | Path, *, shard_gb: float = 4.0, seed: int = 0,
-                      show_progress: bool = False) -> Path:
-    """Write the checkpoint into `out` (created; existing files of the same names are replaced); -> out."""
+                      show_progress: bool = False, spill_dir: str | Path | None = None,
+                      keep_gb: float = 0.0) -> Path:
+    """Write the checkpoint into `out` (created; existing files of the same names are replaced); -> out.
+    spill_dir: once `keep_gb` GB of shards are in `out`, the rest are written there and symlinked into
+    `out` (a checkpoint larger than one filesystem: the 35B-A3B shape is 69 GB, the H200 machine's disk
+    64 GiB, so part of it goes to /dev/shm)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(shape)
@@ -272,8 +276,15 @@ def make_random_model(shape: str, out: str | Path, *, shard_gb: float = 4.0, see
     for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
         if stale.exists() and stale.name not in files:
             stale.unlink()  # a leftover shard of another layout would confuse loaders
+    kept = 0
     for fname, names in zip(files, shards):
-        write_safetensors(out / fname, names, shapes, pool, rng, bar.update if bar else lambda n: None, fixed)
+        path = out / fname
+        if spill_dir is not None and kept >= keep_gb * 1e9:
+            Path(spill_dir).mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+            path.symlink_to(Path(spill_dir).resolve() / fname)
+        write_safetensors(path, names, shapes, pool, rng, bar.update if bar else lambda n: None, fixed)
+        kept += sum(2 * math.prod(shapes[n]) for n in names)
     if bar:
         bar.close()
     if len(shards) > 1:
@@ -302,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="checkpoint directory to write (required unless --dry-run)")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="largest shard size in GB (1e9 bytes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spill-dir", help="write the shards past --keep-gb here and symlink them into --out "
+                    "(a checkpoint larger than --out's filesystem; e.g. /dev/shm)")
+    ap.add_argument("--keep-gb", type=float, default=0.0, help="with --spill-dir: GB of shards kept in --out")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tensor count, bytes and shards the shape would write; write nothing")
     a = ap.parse_args(argv)
@@ -315,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.out:
         ap.error("--out is required (or pass --dry-run)")
     t0 = time.perf_counter()
-    out = make_random_model(a.shape, a.out, shard_gb=a.shard_gb, seed=a.seed, show_progress=True)
+    out = make_random_model(a.shape, a.out, shard_gb=a.shard_gb, seed=a.seed, show_progress=True,
+                            spill_dir=a.spill_dir, keep_gb=a.keep_gb)
     print(f"wrote {a.shape} to {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 

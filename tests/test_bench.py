@@ -55,6 +55,20 @@ def test_random_checkpoint_loads_in_kiln(tiny_ckpt):
     assert tok.decode([5, 6, 2]) == "t5 t6" and tok.encode("t7 t8", add_special_tokens=False) == [7, 8]
 
 
+def test_random_checkpoint_spilled_to_a_second_directory_reads_the_same(tiny_ckpt, tmp_path):
+    from kiln.models.source import open_model
+
+    out = make_random_model("tiny-llama", tmp_path / "out", shard_gb=1e-4, spill_dir=tmp_path / "spill",
+                            keep_gb=1e-9)  # the first shard stays, the rest spill
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert not shards[0].is_symlink() and all(p.is_symlink() for p in shards[1:])
+    assert {p.name for p in (tmp_path / "spill").iterdir()} == {p.name for p in shards[1:]}
+    a, b = open_model(tiny_ckpt).weights, open_model(out).weights
+    assert a.names() == b.names()
+    for n in a.names():
+        assert (a.get(n, keep_dtype=True).view("u2") == b.get(n, keep_dtype=True).view("u2")).all(), n
+
+
 def test_random_checkpoint_loads_in_transformers(tiny_ckpt):
     import torch
     import transformers
