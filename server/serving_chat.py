@@ -35,8 +35,8 @@ class ChatCompletionHandler(OpenAIServingHandler):
         max_tokens = self.max_tokens_for(len(ids), req, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.check_params(req.to_sampling_params(max_tokens, logprobs, "top_logprobs", plan.structured))
-        rid = self.new_request_id("chatcmpl", req)
-        collectors = await self.submit([rid], [ids], [params], stream=req.stream, priority=req.priority)
+        rid, engine_id = self.new_request_id("chatcmpl", req)
+        collectors = await self.submit([engine_id], [ids], [params], stream=req.stream, priority=req.priority)
         fmt = _Formatter(self, req, plan)
         head = {"id": rid, "created": self.created, "model": req.model or self.state.model_name}
         if req.stream:

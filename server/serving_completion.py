@@ -38,8 +38,8 @@ class CompletionHandler(OpenAIServingHandler):
             if req.echo and req.logprobs is not None and sp.prompt_logprobs is None:
                 sp = replace(sp, prompt_logprobs=req.logprobs)
             params.append(self.check_params(sp))
-        base = self.new_request_id("cmpl", req)
-        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        base, engine_id = self.new_request_id("cmpl", req)
+        ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         collectors = await self.submit(ids, [p.ids for p in prompts], params, stream=req.stream,
                                        priority=req.priority)
         fmt = _Formatter(self, req, prompts)

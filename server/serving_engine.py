@@ -118,8 +118,24 @@ class OpenAIServingHandler(BaseHandler):
             raise bad_request(str(e), e.field) from None
         return params
 
-    def new_request_id(self, prefix: str, req: BaseRequest) -> str:
-        return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
+    def new_request_id(self, prefix: str, req: BaseRequest) -> tuple[str, str]:
+        """-> (the response's id, the engine's id). A client's id (the body's `request_id`, else the
+        X-Request-Id header) is echoed in the response, never trusted (issue 42 #1: two clients
+        sending one id aborted each other's requests): the engine's id is the server's own, unique
+        per request. The X-Request-Id response header echoes the client's header, else the id."""
+        header = self.request.headers.get("X-Request-Id")
+        if header is not None and not _is_request_id(header):
+            raise bad_request(f"The X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII "
+                              "characters.", "X-Request-Id")
+        if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
+            raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters long, got "
+                              f"{len(req.request_id)}.", "request_id")
+        own = uuid.uuid4().hex
+        response_id = f"{prefix}-{req.request_id or header or own}"
+        if header is None:  # the response id, where a header can carry it (a body id may be any text)
+            header = response_id if _is_request_id(response_id) else own
+        self.set_header("X-Request-Id", header)
+        return response_id, f"{prefix}-{own}"
 
     # ------------------------------------------------------------ engine
 
@@ -221,6 +237,14 @@ class OpenAIServingHandler(BaseHandler):
             await events.aclose()  # stops the fan-in tasks now, not when the generator is collected
         if not self.client_gone:
             self.finish()
+
+
+MAX_REQUEST_ID_CHARS = 256  # a client's request_id / X-Request-Id, echoed in every chunk and header
+
+
+def _is_request_id(value: str) -> bool:
+    """Echoable as a header: printable ASCII, bounded."""
+    return 0 < len(value) <= MAX_REQUEST_ID_CHARS + 16 and value.isascii() and value.isprintable()
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
