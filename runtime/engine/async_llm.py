@@ -34,7 +34,6 @@ from kiln.runtime.engine.llm_engine import LLMEngine
 from kiln.runtime.engine.output_collector import RequestOutputCollector
 from kiln.runtime.engine.outputs import OutputKind, RequestOutput
 from kiln.runtime.sample.sampling_params import SamplingParams
-from kiln.runtime.engine.stats import IterationStats
 
 logger = logging.getLogger("kiln.async_llm")
 
@@ -279,9 +278,7 @@ class AsyncLLM:
     def _record_idle_stats(self) -> None:
         """Gauges (running, KV usage) after aborts or the last step, when no step will report them."""
         if self.engine.stat_loggers:
-            sched = self.engine.core.make_stats()
-            for stat_logger in self.engine.stat_loggers:
-                stat_logger.record(sched, IterationStats())
+            self.engine.record_idle_stats()
 
     def _die(self, err: BaseException) -> None:
         stop_core = getattr(self.engine.core, "shutdown", None)  # an engine core process ends with us

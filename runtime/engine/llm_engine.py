@@ -17,7 +17,7 @@ from kiln.runtime.engine.output_processor import OutputProcessor, ParentRequest
 from kiln.runtime.engine.outputs import OutputKind, RequestOutput
 from kiln.runtime.core.request import Request
 from kiln.runtime.sample.sampling_params import SamplingParams
-from kiln.runtime.engine.stats import EngineTotals, IterationStats, StatLogger, finished_stats
+from kiln.runtime.engine.stats import EngineTotals, FinishedRequestStats, IterationStats, StatLogger, finished_stats
 
 
 class PromptTooLongError(ValueError):
@@ -37,6 +37,9 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = [self.totals]
         self._ids = itertools.count()
         self._max_tokens: dict[str, Optional[int]] = {}
+        # requests aborted by their caller since the last stats record: counted as finished with
+        # reason "abort" (issue 42 #2: request_success_total{finished_reason="abort"} stayed 0)
+        self._aborted: list[FinishedRequestStats] = []
         self.engine_args: Any = None  # what it was built from, the model's defaults filled in (entrypoints)
 
     def new_request_id(self) -> str:
@@ -92,8 +95,17 @@ class LLMEngine:
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         """Abort requests (parent ids abort every child); their blocks return to the pool."""
+        states = self.output_processor.states
+        aborted = [states[r] for r in self.output_processor.child_ids(request_ids) if r in states]
         engine_ids = self.output_processor.abort_requests(request_ids)
         self.core.abort_requests(engine_ids)
+        now = time.monotonic()
+        for st in aborted:
+            m = st.metrics
+            self._aborted.append(FinishedRequestStats(
+                "abort", now - m.arrival_time, len(st.prompt_token_ids), m.num_generation_tokens, m.ttft, m.tpot,
+                max_tokens=self._max_tokens.get(st.parent.request_id if st.parent else st.request_id),
+                n=st.parent.n if st.parent else 1))
         for rid in request_ids:
             self._max_tokens.pop(rid, None)
 
@@ -117,9 +129,17 @@ class LLMEngine:
         for ro in outputs:
             if ro.metrics is not None and ro.finished:
                 it.finished_requests.extend(finished_stats(ro, self._max_tokens.get(ro.request_id)))
+        if self._aborted:
+            it.finished_requests.extend(self._aborted)
+            self._aborted = []
         sched = self.core.make_stats()
         for logger in self.stat_loggers:
             logger.record(sched, it)
+
+    def record_idle_stats(self) -> None:
+        """Tell the stat loggers the gauges (running, KV usage) and the aborts counted since the
+        last step, when no step will (after aborts, or after the last step)."""
+        self._log_stats([], IterationStats())
 
     def stats(self) -> dict[str, Any]:
         """A snapshot an operator can read: counts and KV usage (without resetting counters)."""

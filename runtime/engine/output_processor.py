@@ -74,6 +74,14 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
+    def child_ids(self, request_ids: Iterable[str]) -> list[str]:
+        """The engine ids behind request ids (a parent's children, else the id itself)."""
+        out = []
+        for rid in request_ids:
+            parent = self.parents.get(rid)
+            out += [c.request_id for c in parent.child_states] if parent else [rid]
+        return out
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forget requests (and every child of a parent id). -> the engine ids dropped."""
         dropped = []
