@@ -24,9 +24,10 @@ from kiln.errors import InvalidModelError
 from kiln.graph import DType, Graph
 from kiln.models.weights import WeightSource
 
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale")
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _FP8 = frozenset((_E4M3, np.dtype(ml_dtypes.float8_e5m2)))
+_U8 = np.dtype(np.uint8)
 
 
 class Fp8Weights(WeightSource):
@@ -70,3 +71,15 @@ def check_weight_dtypes(graph: Graph, weights: WeightSource) -> None:
                        if graph.attrs.get("quantization") else "config.json has no quantization_config")
                 raise InvalidModelError(
                     f"weight {name!r} is stored as {stored}, but {why}, so kiln has no scale to read it with")
+            # NVFP4 (models/nvfp4_linear.py): packed e2m1 pairs are uint8, and uint8 is nothing else
+            if stored is None:  # a source that keeps no dtypes (GGUF blocks): its own loader checks them
+                continue
+            if t.dtype == DType.u8 and stored != _U8:
+                raise InvalidModelError(
+                    f"weight {name!r} is stored as {stored}, but the checkpoint's quantization_config says it "
+                    f"is NVFP4 (uint8, two e2m1 values a byte)")
+            if t.dtype != DType.u8 and t.dtype.is_float and stored == _U8:
+                why = ("the checkpoint's quantization_config leaves it unquantized"
+                       if graph.attrs.get("quantization") else "config.json has no quantization_config")
+                raise InvalidModelError(
+                    f"weight {name!r} is stored as packed uint8, but {why}, so kiln has no format to unpack it with")

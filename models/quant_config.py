@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kiln.errors import UnsupportedQuantizationError
+from kiln.models.nvfp4_config import Nvfp4Config, parse_modelopt_nvfp4
 
 # The decoder architectures whose graph builders emit FP8 linears (models/fp8_linear.py);
 # any other architecture with a quantization_config is refused, not run in bf16.
@@ -67,7 +68,7 @@ def _matches(module: str, pattern: str) -> bool:
     return module == pattern or module.endswith("." + pattern) or module.startswith(pattern + ".")
 
 
-def parse_quantization(qc: Any, arch: str, source: str) -> Fp8Config | None:
+def parse_quantization(qc: Any, arch: str, source: str) -> Fp8Config | Nvfp4Config | None:
     """config.json's quantization_config (or hf_quant_config.json's content) -> Fp8Config,
     None for no quantization; UnsupportedQuantizationError naming what kiln cannot run."""
     if qc is None:
@@ -87,9 +88,10 @@ def parse_quantization(qc: Any, arch: str, source: str) -> Fp8Config | None:
     else:
         raise UnsupportedQuantizationError(f"{source}: quantization method {method!r} is not supported by kiln")
     if arch not in FP8_ARCHITECTURES:
+        fmt = "NVFP4" if cfg.weight == "nvfp4" else "FP8"
         raise UnsupportedQuantizationError(
-            f"{source}: {method} FP8 checkpoints of {arch} are not supported by kiln yet "
-            f"(FP8 runs for {', '.join(FP8_ARCHITECTURES)})")
+            f"{source}: {method} {fmt} checkpoints of {arch} are not supported by kiln yet "
+            f"({fmt} runs for {', '.join(FP8_ARCHITECTURES)})")
     return cfg
 
 
@@ -158,13 +160,15 @@ def _scheme(d: Mapping | None) -> str:
     return ", ".join(f"{k}={d.get(k)!r}" for k in ("type", "num_bits", "strategy", "dynamic"))
 
 
-def _modelopt(qc: Mapping, source: str) -> Fp8Config:
+def _modelopt(qc: Mapping, source: str) -> Fp8Config | Nvfp4Config:
     """ModelOpt FP8: hf_quant_config.json's {"quantization": {...}} or the flat config.json form."""
     q = qc["quantization"] if "quantization" in qc and "quant_algo" not in qc else qc
     algo = q.get("quant_algo")
+    if algo == "NVFP4":  # W4A16 (models/nvfp4_config.py)
+        return parse_modelopt_nvfp4(q, source)
     if algo != "FP8":
         raise UnsupportedQuantizationError(f"{source}: ModelOpt quant_algo {algo!r} is not supported by kiln "
-                                           f"(kiln runs ModelOpt 'FP8')")
+                                           f"(kiln runs ModelOpt 'FP8' and 'NVFP4')")
     if q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme"):
         kv = q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme")
         raise _refuse(source, f"ModelOpt KV-cache quantisation {kv!r} (FP8 KV-cache scales)")

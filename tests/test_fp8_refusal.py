@@ -63,8 +63,8 @@ def _qc(**kw):
         **CHANNEL_CONFIG["config_groups"]["group_0"]["weights"], "strategy": "block"}}}}, "weight strategy 'block'"),
     ({**CHANNEL_CONFIG, "config_groups": {"group_0": {**CHANNEL_CONFIG["config_groups"]["group_0"],
                                                       "input_activations": None}}}, "input activations None"),
-    ({**MODELOPT_CONFIG["quantization"], "quant_method": "modelopt", "quant_algo": "NVFP4"},
-     "ModelOpt quant_algo 'NVFP4'"),
+    ({**MODELOPT_CONFIG["quantization"], "quant_method": "modelopt", "quant_algo": "W4A8_NVFP4_FP8"},
+     "ModelOpt quant_algo 'W4A8_NVFP4_FP8'"),
     ({**MODELOPT_CONFIG, "quantization": {**MODELOPT_CONFIG["quantization"], "kv_cache_quant_algo": "FP8"}},
      "KV-cache"),
 ])
