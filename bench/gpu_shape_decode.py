@@ -2,13 +2,14 @@
 compile time, load time (weights + KV cache + first-step graph capture), batch-1 decode
 and one-prompt prefill speed.
 
-    python bench/gpu_shape_decode.py --shape llama-3.1-8b [--context 512] [--steps 128]
+    python bench/gpu_shape_decode.py --shape llama-3.1-8b|qwen3.6-27b|qwen3.6-35b-a3b [--context 512] [--steps 128]
         [--prefill 2048] [--compile-only] [--gemm-tma auto|on|off] [--gemm-fold auto|off]
         [--fuse-silu auto|off] [--fuse-rope auto|off] [--fuse-merge auto|off] [--pdl-plain named|none|wide:N]
         [--attn-tile N --attn-seg N] [--sched OP:KEY=JSON ...] [--json OUT]
 
 Weights are a tiled pool of N(0, 0.02) values: right bytes and shapes for timing, not a
-model. Decode timing = wall time per engine step as the executor sees it (step inputs
+model (a stacked expert tensor or a GDN A_log alike). Hybrid shapes run their sequence in state
+slot 1 (slot 0 is the null slot). Decode timing = wall time per engine step as the executor sees it (step inputs
 staged and copied, the bucket's CUDA graph replayed, the logits row copied back).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kiln.codegen.compile import compile_bundle
 from kiln.codegen.triton.configs import Configs
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
-from kiln.models.reference_shapes import SHAPES
+from kiln.models.reference_shapes import HYBRID_SHAPES, SHAPES
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import default_passes, run_pipeline
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
@@ -33,6 +34,7 @@ from kiln.schedules import Schedules
 
 
 BS = 16  # KV block size of the bundles compiled here
+ALL_SHAPES = {**SHAPES, **HYBRID_SHAPES}
 
 
 def random_weights(seed: int = 0):
@@ -150,7 +152,7 @@ def profile(ex, step, what: str = "decode") -> dict:
 def parser() -> argparse.ArgumentParser:
     """The flags (bench/decode_timeline.py takes them too)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(ALL_SHAPES))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048)
@@ -202,7 +204,7 @@ def compile_for(a, res: dict):
     compiled goes into res."""
     import dataclasses
 
-    cfg = ModelConfig.from_hf_dict(SHAPES[a.shape])
+    cfg = ModelConfig.from_hf_dict(ALL_SHAPES[a.shape])
     t0 = time.perf_counter()
     graph = step_graph(cfg, a.fuse_silu, a.fuse_rope)
     bundle = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg),
@@ -227,6 +229,11 @@ def compile_for(a, res: dict):
     return cfg, graph, bundle
 
 
+def chunk(tokens, start: int, blocks, slot: int = 1) -> SeqChunk:
+    """A step's row: a hybrid's sequence keeps its GDN state in `slot` (plain models have none)."""
+    return SeqChunk(tokens, start, blocks, state_slot=slot)
+
+
 def load_for(a, res: dict, cfg, graph, bundle, rng):
     """The bundle on the GPU with random weights, a --context prompt prefilled and the batch-1
     decode graph captured -> (executor, the sequence's blocks)."""
@@ -240,8 +247,8 @@ def load_for(a, res: dict, cfg, graph, bundle, rng):
     res["weights_gb"] = sum(int(np.prod(s)) * 2 for s in shapes.values()) / 1e9
     blocks = list(range(1, a.max_model_len // BS + 1))
     prompt = rng.integers(0, cfg.vocab_size, size=a.context).tolist()
-    ex.execute(prepare_step([SeqChunk(prompt, 0, blocks)], BS))
-    ex.execute(prepare_step([SeqChunk([1], a.context, blocks)], BS))  # captures the decode graph
+    ex.execute(prepare_step([chunk(prompt, 0, blocks)], BS))
+    ex.execute(prepare_step([chunk([1], a.context, blocks)], BS))  # captures the decode graph
     res["load_s"] = time.perf_counter() - t0
     print(f"load: {res['load_s']:.1f} s for {res['weights_gb']:.2f} GB of weights (incl. first prefill + capture)")
     return ex, blocks
@@ -260,7 +267,7 @@ def main() -> None:
     t0 = time.perf_counter()
     toks = []
     for _ in range(a.steps):
-        out = ex.execute(prepare_step([SeqChunk([tok], pos, blocks)], bs))["logits"]
+        out = ex.execute(prepare_step([chunk([tok], pos, blocks)], bs))["logits"]
         tok, pos = int(out[0].argmax()), pos + 1
         toks.append(tok)
     res["decode_tokens"] = toks  # the greedy ids: an A/B of kernels that keep the bits must keep them
@@ -273,22 +280,22 @@ def main() -> None:
     print(f"  of which GPU (graph replay alone): {res['decode_gpu_ms']:.2f} ms/step "
           f"= {1e3 / res['decode_gpu_ms']:.1f} tok/s; host side {dt * 1e3 - res['decode_gpu_ms']:.2f} ms")
     if a.profile:
-        res["profile"] = profile(ex, prepare_step([SeqChunk([tok], pos, blocks)], bs))
+        res["profile"] = profile(ex, prepare_step([chunk([tok], pos, blocks)], bs))
     if a.profile_batch:
         per, first = a.profile_context // bs + 1, a.max_model_len // bs * 4
-        chunks = [SeqChunk([1], a.profile_context, list(range(first + i * per, first + (i + 1) * per)))
+        chunks = [chunk([1], a.profile_context, list(range(first + i * per, first + (i + 1) * per)), i + 1)
                   for i in range(a.profile_batch)]
         res["batch_profile"] = profile(ex, prepare_step(chunks, bs),
                                        f"{a.profile_batch}-sequence decode at {a.profile_context} tokens")
     p = rng.integers(0, cfg.vocab_size, size=a.prefill).tolist()
-    ex.execute(prepare_step([SeqChunk(p, 0, blocks)], bs))
+    ex.execute(prepare_step([chunk(p, 0, blocks)], bs))
     t0 = time.perf_counter()
     for _ in range(3):
-        ex.execute(prepare_step([SeqChunk(p, 0, blocks)], bs))
+        ex.execute(prepare_step([chunk(p, 0, blocks)], bs))
     dt = (time.perf_counter() - t0) / 3
     res["prefill_tok_s"] = a.prefill / dt
     if a.profile:
-        res["prefill_profile"] = profile(ex, prepare_step([SeqChunk(p, 0, blocks)], bs), f"{a.prefill}-token prefill")
+        res["prefill_profile"] = profile(ex, prepare_step([chunk(p, 0, blocks)], bs), f"{a.prefill}-token prefill")
     print(f"prefill {a.prefill} tokens: {a.prefill / dt:.0f} tok/s ({dt * 1e3:.1f} ms)")
     res["prefill_gpu_ms"] = gpu_only_prefill_ms(ex, a.prefill)
     print(f"  of which GPU (its launches alone, 5 back to back): {res['prefill_gpu_ms']:.2f} ms "
