@@ -28,6 +28,7 @@ from kiln.codegen.triton import gdn as k_gdn
 from kiln.codegen.triton import gemm as k_gemm
 from kiln.codegen.triton import moe as k_moe
 from kiln.codegen.triton import moe_router as k_router
+from kiln.codegen.triton import nvfp4_gemm as k_nvfp4
 from kiln.codegen.triton import paged_attention_launch as k_attn
 from kiln.codegen.triton import rms_norm as k_norm
 from kiln.codegen.triton import silu_mul as k_silu
@@ -399,6 +400,15 @@ class _Lowerer:
         k_fp8.fp8_gemm(self.buf(x), self.buf(xs), self.buf(w), self.buf(ws), self.buf(bias) if bias else None, out,
                        block=tuple(node.attrs["block"]), n_rows=self.n_rows(node.outputs[0]),
                        tile=k_fp8.fp8_tile(out.shape[0], self.arch), arch=self.arch)
+
+    def op_linear_nvfp4(self, node) -> None:
+        """W4A16 (codegen/triton/nvfp4_gemm.py): one launch, the K order the weight's, the tile the bucket's."""
+        x, w, ws, ws2 = node.inputs[:4]
+        bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4] else None
+        out = self.buf(node.outputs[0])
+        k_nvfp4.nvfp4_gemm(self.buf(x), self.buf(w), self.buf(ws), self.buf(ws2), self.buf(bias) if bias else None,
+                           out, n_rows=self.n_rows(node.outputs[0]),
+                           tile=k_nvfp4.nvfp4_tile(out.shape[0], self.arch), arch=self.arch)
 
     def _linear_add_then_norm_quant(self, node, norm, red, tile, fold) -> None:
         """op_linear_add where its output's norm quantises (a bf16 o_proj or down left unquantised

@@ -1,0 +1,66 @@
+"""ModelOpt NVFP4 checkpoints on the GPU (W4A16, codegen/triton/nvfp4_gemm.py): the tiny NVFP4
+checkpoints of tests/nvfp4_checkpoints.py through the GPU engine. Not yet run on a GPU.
+
+Logits oracle: the same graph with bf16 activations run by the numpy executor (the GPU's
+arithmetic written independently: W4A16 rounds no activation to FP4, and the dequantised weights
+are exact in bf16, so the GPU differs from it only by its f32 summation order and bf16 roundings
+of intermediates). Bound: test_lowering.py's 2e-2 of the largest logit, which the interpreter
+replay of the same plans meets (tests/codegen/test_lowering_nvfp4.py). A wrong nibble order, a
+scale read from the wrong block or the per-tensor scale left out moves logits by their own size.
+
+Invariance (DESIGN): greedy tokens alone = batched = chunked under a small token budget: the
+W4A16 GEMM reduces K in one order per weight, whatever the bucket.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.loader import build_graph, load
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel
+from tests.nvfp4_checkpoints import make_nvfp4_checkpoint
+
+torch = pytest.importorskip("torch")
+
+SKIP = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
+CASES = [("llama_gqa_untied", SKIP), ("qwen3_qknorm", ())]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}{'-skip' if c[1] else ''}")
+def nvfp4(request, tmp_path_factory, gpu_target):
+    variant, skip = request.param
+    d = tmp_path_factory.mktemp(f"{variant}_nvfp4")
+    make_nvfp4_checkpoint(d, variant, exclude=skip)
+    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
+    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
+               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
+    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512)
+    return variant, d, gpu, bf16
+
+
+def test_nvfp4_logits_match_the_bf16_numpy_executor(nvfp4):
+    name, _, gpu, bf16 = nvfp4
+    prompts = _prompts(8, seed=1)
+    got = _last_logits(gpu.executor, gpu.graph.outputs[0], prompts)
+    want = _last_logits(bf16, bf16.graph.outputs[0], prompts)
+    assert np.isfinite(got).all(), name
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    print(f"\n[{name}] GPU vs numpy bf16 per prompt: " + ", ".join(f"{e:.2e}" for e in errs))
+    assert max(errs) <= 2e-2, name
+
+
+def test_nvfp4_greedy_alone_batched_chunked(nvfp4, gpu_target):
+    name, d, _, _ = nvfp4
+    prompts = _prompts(16, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32,
+                  bundle_dir=str(d / "bundle_llm"))
+    big = LLM(d, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, **common)
+    alone = [big.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    batched = [o.outputs[0].token_ids for o in big.generate(prompts, sp)]
+    assert batched == alone, f"{name}: batched differs from alone"
+    small = LLM(d, max_num_batched_tokens=32, kv_cache_tokens=16 * 1024, **common)
+    chunked = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
+    assert chunked == alone, f"{name}: chunked (budget 32) differs from alone"
