@@ -178,6 +178,22 @@ class GGUFWeights(WeightSource):
         self._check(name)
         return self._tensors[name].tensor_type
 
+    def raw_blocks(self, name: str) -> np.ndarray:
+        """A tensor's stored bytes, u8 [..., rows, bytes a row], rows in HF order (the q/k rows of a
+        llama file un-permuted, each row's blocks moving with it): what a kernel that dequantises
+        blocks itself reads (models/gguf_quant.py)."""
+        self._check(name)
+        w = np.asarray(self._tensors[name].data).view(np.uint8).reshape(*self._shapes[name][:-1], -1)
+        return self._unpermute(name, w)
+
+    def _unpermute(self, name: str, w: np.ndarray) -> np.ndarray:
+        if name in self._heads:
+            if w.shape[0] % (2 * self._heads[name]):
+                raise InvalidModelError(f"model file {self.path}: {name} has {w.shape[0]} rows, which its "
+                                        f"{self._heads[name]} heads do not divide into rotary pairs")
+            w = unpermute_qk(w, self._heads[name])
+        return w
+
     def _load(self, name: str, keep_dtype: bool) -> np.ndarray:
         t = self._tensors[name]
         shape = self._shapes[name]
@@ -192,10 +208,5 @@ class GGUFWeights(WeightSource):
                 raise InvalidModelError(
                     f"model file {self.path} stores {name} as {t.tensor_type.name}, "
                     "which the gguf package cannot dequantize") from None
-        if name in self._heads:
-            if shape[0] % (2 * self._heads[name]):
-                raise InvalidModelError(f"model file {self.path}: {name} has {shape[0]} rows, which its "
-                                        f"{self._heads[name]} heads do not divide into rotary pairs")
-            w = unpermute_qk(w, self._heads[name])
-        return w
+        return self._unpermute(name, w)
 
