@@ -70,7 +70,28 @@ class BaseHandler(tornado.web.RequestHandler):
     def json_body(self) -> dict[str, Any]:
         if self._too_large:
             raise self._too_large_error(self._declared_size)
+        self._check_content_type()
         return parse_json_body(b"".join(self._chunks))
+
+    async def read_json(self) -> dict[str, Any]:
+        """json_body(), parsed on a worker thread when the body is large (issue 42 #10)."""
+        if self._too_large:
+            raise self._too_large_error(self._declared_size)
+        self._check_content_type()
+        raw = b"".join(self._chunks)
+        self._chunks = []
+        return await self.state.run_sized(len(raw), parse_json_body, raw)
+
+    def _check_content_type(self) -> None:
+        """A body declared as something other than JSON is a 415 (as vLLM's validate_json_request;
+        issue 42 #12: the header was ignored). No Content-Type at all is read as JSON."""
+        ctype = self.request.headers.get("Content-Type")
+        if ctype is None:
+            return
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise APIError(415, f"Unsupported Content-Type {ctype[:60]!r}; send the body as application/json.",
+                           code="unsupported_media_type")
 
     # ------------------------------------------------------------ response side
 

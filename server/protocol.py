@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -98,16 +99,64 @@ class ChatCompletionRequest(BaseRequest):
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400: not JSON, not UTF-8, nested deeper than
+    MAX_JSON_DEPTH, or holding a lone surrogate (issue 42 #11: each was a 500)."""
     if not raw:
         raise bad_request("The request body is empty; send a JSON object.")
+    too_deep = bad_request(f"The request body is nested too deeply (more than {MAX_JSON_DEPTH} levels of "
+                           "arrays and objects).", code="invalid_json")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
         raise bad_request(f"The request body is not valid JSON: {msg}.", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    if (raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH) and _too_deep(body):
+        raise too_deep
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise bad_request("The request body holds a lone UTF-16 surrogate escape (such as \\ud800), which is "
+                          "not text; send valid Unicode.", code="invalid_json")
     return body
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; a JSON schema or tool list needs far fewer
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether arrays and objects nest past MAX_JSON_DEPTH (iteratively: the check itself must
+    not recurse; scalars are skipped in C by the comprehensions)."""
+    level, depth = [value], 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            return True
+        nxt = []
+        for v in level:
+            items = v.values() if isinstance(v, dict) else v
+            nxt += [x for x in items if type(x) is dict or type(x) is list]
+        level, depth = nxt, depth + 1
+    return False
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """A str json.loads made from an unpaired \\ud800-\\udfff escape anywhere in value."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -178,8 +227,11 @@ def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_s
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}.", max_tokens_param)
     prompt_logprobs = check_field(body, "prompt_logprobs", "int")
-    if prompt_logprobs is not None and not (0 <= prompt_logprobs <= MAX_LOGPROBS or prompt_logprobs == -1):
-        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, or -1.", "prompt_logprobs")
+    # -1 (the whole vocabulary at every prompt position) is refused as vLLM refuses it past its
+    # max_logprobs cap of 20: it made 79-413 MB bodies (issue 42 #9)
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}.",
+                          "prompt_logprobs")
     add_special = check_field(body, "add_special_tokens", "bool")
     return dict(
         model=model, stream=stream, stream_options=stream_options, sampling=sampling,
@@ -223,8 +275,11 @@ def _messages(body: dict) -> list[dict]:
 
 
 def _content(content: Any, i: int) -> Any:
-    """String content as is; a list of text parts joined by newlines (vLLM's 'string' format)."""
-    if content is None or isinstance(content, str):
+    """String content as is; a list of text parts joined by newlines (vLLM's 'string' format);
+    null or absent content (an assistant's tool-call turn) renders as empty, as vLLM renders it."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []

@@ -27,11 +27,11 @@ _RESERVED = {"template", "messages", "add_generation_prompt", "continue_final_me
 
 class ChatCompletionHandler(OpenAIServingHandler):
     async def post(self) -> None:
-        req = parse_chat_request(self.json_body())
+        req = parse_chat_request(await self.read_json())
         self.check_request(req)
-        prompt = render_prompt(self.state, req)
+        prompt = await self.state.run_sized(self._body_size, render_prompt, self.state, req)
         plan = plan_chat_output(self.state, req, prompt)
-        ids = self.tokenize(prompt, req.add_special_tokens, "messages")
+        ids = await self.tokenize(prompt, req.add_special_tokens, "messages")
         max_tokens = self.max_tokens_for(len(ids), req, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.check_params(req.to_sampling_params(max_tokens, logprobs, "top_logprobs", plan.structured))

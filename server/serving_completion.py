@@ -26,9 +26,9 @@ class _Prompt:
 
 class CompletionHandler(OpenAIServingHandler):
     async def post(self) -> None:
-        req = parse_completion_request(self.json_body())
+        req = parse_completion_request(await self.read_json())
         self.check_request(req)
-        prompts = [_Prompt(p if isinstance(p, str) else None, self.tokenize(p, req.add_special_tokens, "prompt"))
+        prompts = [_Prompt(p if isinstance(p, str) else None, await self.tokenize(p, req.add_special_tokens, "prompt"))
                    for p in req.prompts]
         structured = structured_params(self.state, req, req.structured) if req.structured else None
         params = []

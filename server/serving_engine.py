@@ -21,6 +21,7 @@ from kiln.runtime.sample.sampling_params import InvalidSamplingParamsError, Samp
 from kiln.server.base_handler import BaseHandler
 from kiln.server.errors import APIError, bad_request
 from kiln.server.protocol import BaseRequest
+from kiln.server.state import OFF_LOOP_BYTES
 
 logger = logging.getLogger("kiln.server")
 
@@ -72,12 +73,26 @@ class OpenAIServingHandler(BaseHandler):
         if self.state.engine.errored:
             raise APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
 
-    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, param: str) -> list[int]:
+    async def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, param: str,
+                       limit: Optional[int] = None) -> list[int]:
+        """The prompt's token ids. A text whose length alone proves it has at least `limit` (default
+        max_model_len) tokens is refused before it is tokenized, and a long one is tokenized on
+        a worker thread (issue 42 #10: a 10 MB prompt froze every client for 8-10 s)."""
         engine = self.state.engine
         if isinstance(prompt, str):
-            if engine.tokenizer is None:
+            tok = engine.tokenizer
+            if tok is None:
                 raise bad_request("This model was loaded without a tokenizer; send token ids.", param)
-            ids = engine.encode(prompt, add_special_tokens=add_special_tokens)
+            limit = engine.max_model_len if limit is None else limit
+            at_least = len(prompt) // (2 * tok.max_token_chars)  # 2: what a normalizer may take out
+            if at_least >= limit:
+                raise bad_request(f"This model's maximum context length is {engine.max_model_len} tokens. However, "
+                                  f"your request has at least {at_least} input tokens ({len(prompt)} characters). "
+                                  "Please reduce the length of the input.", param, code="context_length_exceeded")
+            if len(prompt) > OFF_LOOP_BYTES // 4:
+                ids = await self.state.run_sized(len(prompt) * 4, tok.encode_long, prompt, add_special_tokens)
+            else:
+                ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
             if not ids:
                 raise bad_request(f"{param} is empty.", param)
             return ids

@@ -13,16 +13,16 @@ from kiln.server.serving_engine import OpenAIServingHandler
 
 
 class TokenizeHandler(OpenAIServingHandler):
-    def post(self) -> None:
-        body = self.json_body()
+    async def post(self) -> None:
+        body = await self.read_json()
         engine = self.state.engine
         if engine.tokenizer is None:
             raise bad_request("This model was loaded without a tokenizer.")
         if "messages" in body:
             req = parse_chat_request({**body, "stream": False})
             self.check_request(req)
-            text = render_prompt(self.state, req)
-            ids = engine.encode(text, add_special_tokens=req.add_special_tokens)
+            text = await self.state.run_sized(self._body_size, render_prompt, self.state, req)
+            ids = await self._encode(text, req.add_special_tokens)
         else:
             prompt = check_field(body, "prompt", "str")
             if prompt is None:
@@ -31,7 +31,7 @@ class TokenizeHandler(OpenAIServingHandler):
             if model is not None:
                 self.check_model_name(model)
             add_special = check_field(body, "add_special_tokens", "bool")
-            ids = engine.encode(prompt, add_special_tokens=True if add_special is None else add_special)
+            ids = await self._encode(prompt, True if add_special is None else add_special)
         strs = None
         if check_field(body, "return_token_strs", "bool"):
             strs = [engine.tokenizer.id_to_token(t) for t in ids]
@@ -39,9 +39,15 @@ class TokenizeHandler(OpenAIServingHandler):
                          "token_strs": strs})
 
 
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Every id, past the context too (the count is the answer), on a worker thread when long."""
+        tok = self.state.engine.tokenizer
+        return await self.state.run_sized(len(text) * 4, tok.encode_long, text, add_special_tokens)
+
+
 class DetokenizeHandler(OpenAIServingHandler):
-    def post(self) -> None:
-        body = self.json_body()
+    async def post(self) -> None:
+        body = await self.read_json()
         engine = self.state.engine
         tokens = check_field(body, "tokens", "ints")
         if tokens is None:
@@ -51,4 +57,5 @@ class DetokenizeHandler(OpenAIServingHandler):
             self.check_model_name(model)
         if engine.tokenizer is None:
             raise bad_request("This model was loaded without a tokenizer.")
-        self.write_json({"prompt": engine.decode(self.tokenize(tokens, False, "tokens"), skip_special_tokens=False)})
+        ids = await self.tokenize(tokens, False, "tokens")
+        self.write_json({"prompt": engine.decode(ids, skip_special_tokens=False)})

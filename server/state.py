@@ -5,9 +5,16 @@ apps (or two servers) in one process keep apart.
 """
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+# Inputs past this many bytes are parsed, rendered and tokenized on the app's worker threads
+# (issue 42 #10: a 10 MB prompt froze every other client for 8-10 s); smaller ones inline, where
+# the thread hop would cost more than the work.
+OFF_LOOP_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,14 @@ class ServerState:
     config: ServerConfig
     metrics: Any  # kiln.server.metrics.PrometheusStatLogger
     created: int = field(default_factory=lambda: int(time.time()))
+    # parsing, chat rendering and tokenization of large inputs (threads start on first use)
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kiln-server-input"))
+
+    async def run_sized(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), on a worker thread when the input is larger than OFF_LOOP_BYTES."""
+        if size <= OFF_LOOP_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     @property
     def model_name(self) -> str:

@@ -91,10 +91,43 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+MAX_POWER_BITS = 4096  # the largest integer `**` may make (10**1233); CPython prints up to 4300 digits
+MAX_REPEAT_ITEMS = 1 << 20  # the longest string or list `*` may make
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with `**` and `*` bounded (issue 42 #11): `10**100000` failed to print, and
+    `10**10**10` or `'a' * 10**9` would run for minutes or fill memory. Intercepted operators
+    are also never folded into constants when the template compiles, which evaluated them then."""
+
+    intercepted_binops = frozenset({"**", "*"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and _is_number(left) and _is_number(right):
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0 \
+                    and right * abs(left).bit_length() > MAX_POWER_BITS:
+                raise jinja2.exceptions.SecurityError(f"{left} ** {right} is larger than a chat template may make")
+            try:
+                return left ** right
+            except OverflowError:
+                raise jinja2.exceptions.SecurityError(f"{left} ** {right} overflows") from None
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                        and len(seq) * max(times, 0) > MAX_REPEAT_ITEMS:
+                    raise jinja2.exceptions.SecurityError(
+                        f"repeating a {type(seq).__name__} {times} times is larger than a chat template may make")
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
     """The compiled template (cached: a server renders the same one for every request)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
@@ -103,6 +136,8 @@ def compile_template(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from None
+    except Exception as e:  # compiling evaluates constant expressions too
+        raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}: {e}") from None
 
 
 def render_chat(

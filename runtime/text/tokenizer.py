@@ -10,6 +10,7 @@ gguf_tokenizer.py turns it into the tokenizer transformers builds from the same 
 """
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 from pathlib import Path
@@ -53,6 +54,19 @@ class Tokenizer:
     # --- encode / decode -------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode() for a long text on a worker thread: tokenizers releases the GIL in
+        encode_batch only, so other threads (a server's event loop) run meanwhile."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one vocabulary entry spells: a text of C characters has at least
+        C / max_token_chars tokens (byte-level entries spell one char per byte, SentencePiece's
+        one per char, byte-fallback "<0x41>" more than it stands for), up to what a normalizer
+        takes out (composing accents at most halves a text: callers allow for that)."""
+        return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         # transformers 5 skips clean_up_tokenization_spaces for BPE, so this is all it does.
