@@ -18,6 +18,7 @@ from kiln.errors import GPU_INSTALL_HINT, ConfigError, KilnError, ModelNotFoundE
 from kiln.graph import DType, Graph
 from kiln.models.config import ModelConfig
 from kiln.models.fp8_weights import check_weight_dtypes
+from kiln.models.gguf_quant import load_report, without_blocks
 from kiln.models.registry import get_graph_builder
 from kiln.models.source import ModelSource, open_model, read_hf_config
 from kiln.passes.pipeline import run_pipeline
@@ -96,13 +97,18 @@ def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 
 def build_graph(cfg: ModelConfig, *, target: str, block_size: int = 16, kv_cache_dtype: str = "auto",
-                dump_dir: str | Path | None = None) -> Graph:
+                dump_dir: str | Path | None = None, gguf_blocks: bool = False) -> Graph:
     """The model's graph for a target (f32 on cpu, bf16 on a GPU), through the passes;
-    dump_dir: write the graph after every pass there."""
+    dump_dir: write the graph after every pass there. A GGUF's linears compute in their block
+    formats on the GPU targets; on cpu only with gguf_blocks (the numpy reference dequantises the
+    weights on every call: the same logits, at a whole model's dequantisation a step), else their
+    weights are dequantised at load (models/gguf_quant.py)."""
     if target not in ("cpu",) + GPU_TARGETS:
         raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
     kv_dtype = _kv_cache_dtype(kv_cache_dtype)
     dtype = DType.f32 if target == "cpu" else DType.bf16
+    if target == "cpu" and not gguf_blocks:
+        cfg = without_blocks(cfg)
     graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_dtype)
     return run_pipeline(graph, dump_dir=dump_dir)
 
@@ -118,22 +124,26 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
          kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
          bundle_dir: str | Path | None = None, kv_cache_dtype: str = "auto",
-         num_state_snapshots: int = 0) -> LoadedModel:
+         num_state_snapshots: int = 0, gguf_blocks: bool = False) -> LoadedModel:
     """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
     or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
     model and target) and runs it on the GPU. kv_cache_tokens None (GPU): size the
     KV cache from free memory. kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3"
     (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache).
     A hybrid model gets max_num_seqs running state slots, num_state_snapshots more for the
-    prefix cache's snapshots, and the null slot 0 (models without such state ignore both)."""
+    prefix cache's snapshots, and the null slot 0 (models without such state ignore both).
+    gguf_blocks: a GGUF's linears compute in their block formats on cpu too (build_graph)."""
     if target not in ("cpu",) + GPU_TARGETS:
         raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
     _kv_cache_dtype(kv_cache_dtype)  # an unknown name fails before the model is opened
     num_state_slots = max_num_seqs + num_state_snapshots + 1
     source = open_source(model)
     cfg = source.config
-    graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                        gguf_blocks=gguf_blocks)
     check_weight_dtypes(graph, source.weights)  # an FP8 tensor read without its scales is refused by name
+    if report := load_report(graph, source.weights):  # which GGUF tensors stay in their blocks
+        log.info("%s", report)
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
         executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),

@@ -26,6 +26,7 @@ from kiln.codegen.triton import fp8_quant as k_quant
 from kiln.codegen.triton import gather as k_gather
 from kiln.codegen.triton import gdn as k_gdn
 from kiln.codegen.triton import gemm as k_gemm
+from kiln.codegen.triton import gguf_gemm as k_gguf
 from kiln.codegen.triton import moe as k_moe
 from kiln.codegen.triton import moe_router as k_router
 from kiln.codegen.triton import nvfp4_gemm as k_nvfp4
@@ -409,6 +410,16 @@ class _Lowerer:
         k_nvfp4.nvfp4_gemm(self.buf(x), self.buf(w), self.buf(ws), self.buf(ws2), self.buf(bias) if bias else None,
                            out, n_rows=self.n_rows(node.outputs[0]),
                            tile=k_nvfp4.nvfp4_tile(out.shape[0], self.arch), arch=self.arch)
+
+    def op_linear_gguf(self, node) -> None:
+        """A GGUF linear: its blocks dequantised in the K loop (codegen/triton/gguf_gemm.py), one
+        launch, the K order the weight's in every bucket (the tile is the bucket's)."""
+        x, w = node.inputs[0], node.inputs[1]
+        bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+        out = self.buf(node.outputs[0])
+        k_gguf.gguf_gemm(self.buf(x), self.buf(w), self.buf(bias) if bias else None, out, qtype=node.attrs["qtype"],
+                         n_rows=self.n_rows(node.outputs[0]), tile=k_gguf.gguf_tile(out.shape[0], self.arch),
+                         arch=self.arch)
 
     def _linear_add_then_norm_quant(self, node, norm, red, tile, fold) -> None:
         """op_linear_add where its output's norm quantises (a bf16 o_proj or down left unquantised

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kiln.errors import UnsupportedQuantizationError
 from kiln.graph import DType, Graph, Tensor
+from kiln.models.gguf_quant import project_gguf
 from kiln.models.nvfp4_linear import project_nvfp4
 from kiln.models.quant_config import MIN_SCALE_GROUP, MIN_SCALE_TOKEN, Fp8Config
 
@@ -26,6 +27,8 @@ LinearSpec = tuple[str, int, str]
 def project(g: Graph, quant: Fp8Config | None, x: Tensor, specs: list[LinearSpec], n_in: int, dtype: DType,
             bias: bool, quant_name: str) -> list[Tensor]:
     """The outputs [T, n_out] of the linears in specs, all reading x [T, n_in]."""
+    if quant is not None and quant.weight == "gguf":  # GGUF blocks dequantised in the GEMM (models/gguf_quant.py)
+        return project_gguf(g, quant, x, specs, n_in, dtype, bias)
     if quant is not None and quant.weight == "nvfp4":  # W4A16, no activation quantisation
         return project_nvfp4(g, quant, x, specs, n_in, dtype, bias)
     fp8 = [s for s in specs if quant is not None and quant.quantizes(s[0])]

@@ -48,9 +48,14 @@ def build_decoder(cfg: ModelConfig, *, dtype: DType, block_size: int, qk_norm: b
     h = g.call1("gather_rows", h, inp["logits_indices"], name="gather_logits_rows")
     h = g.call1("rms_norm", h, g.weight("model.norm.weight", dtype, (cfg.hidden_size,)),
                 eps=cfg.rms_norm_eps, name="final_norm")
-    head = embed if cfg.tie_word_embeddings else \
-        g.weight("lm_head.weight", dtype, (cfg.vocab_size, cfg.hidden_size))
-    logits = g.call1("linear", h, head, name="lm_head")
+    if cfg.tie_word_embeddings:
+        logits = g.call1("linear", h, embed, name="lm_head")
+    elif getattr(cfg.quantization, "weight", None) == "gguf":  # an untied GGUF head may stay in its blocks
+        (logits,) = project(g, cfg.quantization, h, [("lm_head", cfg.vocab_size, "lm_head")], cfg.hidden_size,
+                            dtype, False, "lm_head_quant")
+    else:
+        logits = g.call1("linear", h, g.weight("lm_head.weight", dtype, (cfg.vocab_size, cfg.hidden_size)),
+                         name="lm_head")
     if logits.dtype != DType.f32:
         logits = g.call1("cast", logits, dtype=DType.f32, name="logits_f32")
     g.mark_output(logits)

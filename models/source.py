@@ -12,6 +12,7 @@ from typing import Any
 from kiln.errors import ConfigError, InvalidModelError, ModelNotFoundError
 from kiln.models.config import ModelConfig
 from kiln.models.fp8_weights import Fp8Weights
+from kiln.models.gguf_quant import gguf_blocks
 from kiln.models.registry import WEIGHT_ADAPTERS, get_graph_builder
 from kiln.models.weights import WeightSource, gguf_to_hf_config, open_weights
 
@@ -45,12 +46,14 @@ def open_model(path: str | Path) -> ModelSource:
         weights = open_weights(path)
         fmt = "safetensors"
     config = ModelConfig.from_hf_dict(hf, source=str(path / "config.json") if fmt == "safetensors" else str(path))
+    if fmt == "gguf":  # its tensors in block formats kiln computes in (models/gguf_quant.py)
+        config, weights = gguf_blocks(config, weights)
     get_graph_builder(config.architecture)  # reject unknown architectures before loading anything
     _check_layer_count(config, weights, path)
     adapt = WEIGHT_ADAPTERS.get(config.architecture)
     if adapt is not None:
         weights = adapt(config, weights)
-    if config.quantization is not None:
+    if config.quantization is not None and fmt != "gguf":
         weights = Fp8Weights(weights)
     return ModelSource(path, fmt, config, weights, hf)
 

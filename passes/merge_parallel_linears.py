@@ -40,16 +40,16 @@ class MergeParallelLinears(Pass):
         groups: dict[tuple, list[Node]] = {}
         t = graph.tensors
         for n in graph.topo_order():
-            if n.op != "linear":
+            if n.op not in ("linear", "linear_gguf"):  # GGUF blocks stack by rows too (same qtype: attrs)
                 continue
             w = t[n.inputs[1]]
             if w.kind != TensorKind.WEIGHT or w.parts:
                 continue
             has_bias = len(n.inputs) > 2 and bool(n.inputs[2])
-            key = (n.inputs[0], w.shape[1], w.dtype, tuple(sorted(n.attrs.items())), has_bias)
+            key = (n.inputs[0], w.shape[1], w.dtype, tuple(sorted(n.attrs.items())), has_bias, n.op)
             groups.setdefault(key, []).append(n)
         changed = False
-        for (x, k, dtype, _, has_bias), nodes in groups.items():
+        for (x, k, dtype, _, has_bias, _op), nodes in groups.items():
             if len(nodes) < 2:
                 continue
             self._merge(graph, x, nodes, has_bias)
@@ -76,7 +76,7 @@ class MergeParallelLinears(Pass):
         for n in nodes:
             graph.remove_node(n.name)
         name = _common_name([n.name for n in nodes])
-        y = graph.call1("linear", *ins, name=name, **attrs)
+        y = graph.call1(nodes[0].op, *ins, name=name, **attrs)
         start = 0
         for out, width in zip(outs, widths):
             graph.call("slice_cols", [y], name=f"{out}.slice", out_names=[out], start=start, stop=start + width)
