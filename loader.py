@@ -9,6 +9,8 @@ runs in its own process (config and tokenizer, no weights).
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,8 +148,8 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
         log.info("%s", report)
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
-        executor = CpuExecutor(graph, source.weights.get, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
-                               num_state_slots=num_state_slots)
+        executor = cpu_executor(graph, source, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
+                                num_state_slots=num_state_slots, block_size=block_size)
         return LoadedModel(source, graph, executor, tok, block_size)
 
     from kiln.runtime.worker.cuda_executor import CudaExecutor
@@ -161,6 +163,71 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
                             num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size),
                             num_state_slots=num_state_slots)
     return LoadedModel(source, graph, executor, tok, block_size)
+
+
+CPU_BACKENDS = ("compiled", "numpy")
+_said: set[str] = set()
+
+
+def cpu_backend() -> str:
+    """KILN_CPU_BACKEND: "compiled" (the default: numba kernels over the checkpoint's quantised
+    blocks, runtime/worker/compiled_cpu_executor.py) or "numpy" (the reference executor)."""
+    v = os.environ.get("KILN_CPU_BACKEND", "compiled")
+    if v not in CPU_BACKENDS:
+        raise ConfigError(f"KILN_CPU_BACKEND={v!r} is not one of {', '.join(CPU_BACKENDS)}")
+    return v
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.warning("%s", msg)
+
+
+def _cpu_progress(msg: str) -> None:
+    """The compiled target's first-run compile progress, on stderr whatever the logging setup
+    (the README's first command must not look stuck for the minute it takes on two cores)."""
+    print(f"[kiln] {msg}", file=sys.stderr, flush=True)
+
+
+def _quantized_loader(weights):
+    """name -> (GGUF block type, its raw rows u8 [N, bytes a row]) for a GGUF's tensors stored in
+    a block format, else None (models/gguf_quant.py exposes the blocks as `{module}.gguf_weight`)."""
+    from kiln.models.gguf_quant import SUFFIX
+
+    types = getattr(weights, "ggml_type", None)
+    if types is None:
+        return None
+
+    def load_quantized(name: str):
+        raw = name.removesuffix(".weight") + SUFFIX
+        if raw not in weights:
+            return None
+        return types(name).name, weights.get(raw)
+    return load_quantized
+
+
+def cpu_executor(graph: Graph, source: ModelSource, *, num_blocks: int, num_state_slots: int, block_size: int = 16):
+    """The compiled CPU executor where numba and the graph allow, else the numpy one (said once
+    per reason, with the reason)."""
+    if cpu_backend() == "compiled":
+        try:
+            from kiln.runtime.cpu.plan import NotCompilable
+            from kiln.runtime.worker.compiled_cpu_executor import CompiledCpuExecutor
+        except ImportError as e:
+            _say_once(f"the compiled CPU target needs numba ({e.name or e} is not importable): "
+                      "running the numpy target (pip install numba)")
+        else:
+            try:
+                ex = CompiledCpuExecutor(graph, source.weights.get, num_blocks=num_blocks,
+                                         num_state_slots=num_state_slots,
+                                         load_quantized=_quantized_loader(source.weights))
+            except NotCompilable as e:
+                _say_once(f"{e}: running this model on the numpy CPU target")
+            else:
+                ex.warm_up(_cpu_progress, block_size=block_size)
+                return ex
+    return CpuExecutor(graph, source.weights.get, num_blocks=num_blocks, num_state_slots=num_state_slots)
 
 
 def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size: int, max_model_len: int,

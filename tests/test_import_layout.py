@@ -29,7 +29,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kiln.runtime.core": ("kiln.runtime.core", "kiln.errors"),  # pure Python over ints
     "kiln.runtime.text": ("kiln.runtime.text", "kiln.runtime.sample.sampling_params") + LOW,  # stop strings
     "kiln.runtime.sample": ("kiln.runtime.sample", "kiln.runtime.text") + LOW,
-    "kiln.runtime.worker": ("kiln.runtime.worker", "kiln.runtime.sample", "kiln.runtime.core") + LOW,
+    "kiln.runtime.worker": ("kiln.runtime.worker", "kiln.runtime.sample", "kiln.runtime.core", "kiln.runtime.cpu") + LOW,
     "kiln.runtime.engine": ("kiln.runtime",) + LOW,
     "kiln.loader": ("kiln.models", "kiln.passes", "kiln.codegen", "kiln.schedules", "kiln.runtime") + LOW,
     "kiln.entrypoints": ("kiln.entrypoints", "kiln.loader", "kiln.runtime") + LOW,

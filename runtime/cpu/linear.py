@@ -1,0 +1,72 @@
+"""One linear layer over a packed weight: the compiled GEMV for a few tokens, BLAS for many.
+
+The switch (GEMM_MIN_TOKENS): a step of T tokens at or above it dequantises the weight (bit-exact,
+linear_kernels.dequant_*_t) into a K-major f32 scratch shared by every layer and multiplies with
+numpy's BLAS (OpenBLAS sgemm); below it the compiled GEMV streams the packed codes once for all T
+tokens. Measured on the 2-core Zen 3 machine on SmolLM2's Q4_1 shapes (bench/cpu_linear_switch.py):
+the GEMV costs about T times its T=1 time (it is compute bound once the codes are in cache), the
+dequantise + sgemm path a fixed dequantisation plus sgemm's ~60 GFLOP/s, and they cross between 8
+and 16 tokens. Decode steps of up to GEMM_MIN_TOKENS - 1 sequences stay on the GEMV path, whose
+per-token sums do not depend on T.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.cpu import linear_kernels as K
+from kiln.runtime.cpu.packed import PackedWeight
+
+GEMM_MIN_TOKENS = 12
+
+
+class Scratch:
+    """One K-major f32 buffer that every layer's dequantised weight borrows in turn."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, np.float32)
+
+    def get(self, k: int, n: int) -> np.ndarray:
+        if self.buf.size < k * n:
+            self.buf = np.empty(k * n, np.float32)
+        return self.buf[:k * n].reshape(k, n)
+
+
+def gemv(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int) -> None:
+    """y[:T] = x[:T] @ W.T with the compiled kernel (y: [>= T, w.n])"""
+    if w.kind == "q4":
+        K.gemv_q4(x, w.q, w.d, w.m, y, T)
+    elif w.kind == "q8":
+        K.gemv_q8(x, w.q, w.d, y, T)
+    else:
+        K.gemv_f32(x, w.q, y, T)
+
+
+def dequant_t(w: PackedWeight, out: np.ndarray) -> None:
+    """out: f32 [K, >= padded N] <- W.T"""
+    if w.kind == "q4":
+        K.dequant_q4_t(w.q, w.d, w.m, w.offset, out)
+    elif w.kind == "q8":
+        K.dequant_q8_t(w.q, w.d, out)
+    else:
+        K.dequant_f32_t(w.q, out)
+
+
+def dequant_rows(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = row rows[i] of W (an embedding lookup; rows i32/i64 [n], out f32 [>= n, K])"""
+    if w.kind == "q4":
+        K.dequant_q4_rows(w.q, w.d, w.m, w.offset, rows, out)
+    elif w.kind == "q8":
+        K.dequant_q8_rows(w.q, w.d, rows, out)
+    else:
+        K.dequant_f32_rows(w.q, rows, out)
+
+
+def linear(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int, scratch: Scratch) -> None:
+    """y[:T, :w.n] = x[:T] @ W.T; x: f32 [>= T, K] C-contiguous, y: f32 [>= T, w.n] C-contiguous"""
+    if T < GEMM_MIN_TOKENS:
+        gemv(w, x, y, T)
+        return
+    n_pad = w.q.shape[0] * w.q.shape[-1]
+    wt = scratch.get(w.k, n_pad)
+    dequant_t(w, wt)
+    np.matmul(x[:T], wt[:, :w.n], out=y[:T])

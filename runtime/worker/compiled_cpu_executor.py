@@ -1,0 +1,168 @@
+"""The compiled CPU executor: the step graph as one plan of numba kernels over packed weights.
+
+Beside CpuExecutor (the numpy reference, the oracle and the fallback) and with its interface:
+execute(step inputs) -> {logits name: [L, V]}. Weights stay in their checkpoint's quantised
+blocks (runtime/cpu/packed.py: GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q6_K re-tiled, float checkpoints as f32
+tiles); activations live in one arena (runtime/cpu/arena.py) that a step's plan
+(runtime/cpu/plan.py) reads and writes with compiled kernels. Kernels compile once per machine
+and are cached on disk by numba (`cache=True`); `warm_up` compiles (or loads) every kernel the
+plan uses, reporting each, so the first step of a server does not stall.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+
+from kiln.errors import ConfigError, InvalidModelError
+from kiln.graph import Graph
+from kiln.graph.layout import stack_parts
+from kiln.runtime.cpu.linear import GEMM_MIN_TOKENS
+from kiln.runtime.cpu.packed import BLOCKS, PackedWeight, pack_float, pack_gguf
+from kiln.runtime.cpu.plan import NotCompilable, Plan, StepContext, check_graph
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+
+WeightLoader = Callable[[str], np.ndarray]
+# name -> (GGUF block type name, raw rows u8 [N, row_bytes]) or None where not stored in blocks
+QuantizedLoader = Callable[[str], "tuple[str, np.ndarray] | None"]
+LINEAR_OPS = ("linear", "linear_add", "linear_silu_mul", "linear_rope")
+
+
+def cpu_threads() -> int:
+    """KILN_CPU_THREADS, else every core numba sees."""
+    import numba
+
+    v = os.environ.get("KILN_CPU_THREADS")
+    if v is None:
+        return numba.config.NUMBA_NUM_THREADS
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"KILN_CPU_THREADS={v!r} is not a positive integer")
+    return min(n, numba.config.NUMBA_NUM_THREADS)
+
+
+class CompiledCpuExecutor:
+    def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0,
+                 load_quantized: QuantizedLoader | None = None) -> None:
+        graph.verify()
+        check_graph(graph)  # NotCompilable before any weight is read
+        import numba
+
+        self.threads = cpu_threads()
+        numba.set_num_threads(self.threads)
+        self.graph = graph
+        self.num_blocks = num_blocks
+        self.num_state_slots = 0
+        packed = {n.inputs[1] for n in graph.nodes.values() if n.op in LINEAR_OPS}
+        packed |= {n.inputs[1] for n in graph.nodes.values() if n.op == "embedding"}
+        self.weights: dict[str, PackedWeight | np.ndarray] = {}
+        for t in graph.weights:
+            self.weights[t.name] = (self._pack(t, load_weight, load_quantized) if t.name in packed
+                                    else CpuExecutor._load(t, load_weight))
+        dims = {"NB": num_blocks}
+        self.states = {t.name: np.zeros(t.concrete_shape(dims), np.float32) for t in graph.states}
+        self.plan = Plan(graph, self.weights, self.states)
+        self._vocab = {n.inputs[0]: graph.tensors[n.inputs[1]].shape[0]
+                       for n in graph.nodes.values() if n.op == "embedding"}
+        self._max_pos = min([int(n.attrs.get("max_position", 2048)) for n in graph.nodes.values()
+                             if n.op in ("linear_rope", "attention_preamble")] or [1 << 30])
+
+    @staticmethod
+    def _pack(t, load_weight: WeightLoader, load_quantized: QuantizedLoader | None) -> PackedWeight:
+        names = [p for p, _ in t.parts] or [t.name]
+        raws = [load_quantized(p) for p in names] if load_quantized else [None]
+        kinds = {r[0] if r else None for r in raws}
+        if len(kinds) == 1 and next(iter(kinds)) in BLOCKS:
+            kind = next(iter(kinds))
+            raw = stack_parts([r[1] for r in raws], t.interleave) if t.parts else raws[0][1]
+            if raw.shape[0] != t.shape[0]:
+                raise InvalidModelError(f"weight {t.name!r} has {raw.shape[0]} rows, the config implies {t.shape[0]}")
+            return pack_gguf(kind, raw, int(t.shape[1]))
+        # float checkpoints, other GGUF block types, or parts stored in different types: f32 tiles
+        return pack_float(CpuExecutor._load(t, load_weight), source=",".join(sorted(str(k) for k in kinds)))
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())
+
+    def copy_state_slots(self, copies) -> None:  # no recurrent state on this target
+        if copies:
+            raise NotCompilable("the compiled CPU target has no state slots")
+
+    def execute(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        inp = {t.name: np.ascontiguousarray(inputs[t.name], dtype=np.int32) for t in self.graph.inputs}
+        for t in self.graph.inputs:
+            if inp[t.name].ndim != t.rank:
+                raise ValueError(f"step input {t.name} has rank {inp[t.name].ndim}, expected {t.rank}")
+        for name, vocab in self._vocab.items():  # the kernels index without bounds checks
+            ids = inp[name]
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                raise IndexError(f"token id out of range [0, {vocab}) in {name}")
+        T = len(inp["input_ids"]) if "input_ids" in inp else len(inp["positions"])
+        pos = inp.get("positions")
+        if pos is not None and pos.size and (pos.min() < 0 or pos.max() >= self._max_pos):
+            raise IndexError(f"position out of range [0, {self._max_pos})")
+        L = len(inp["logits_indices"]) if "logits_indices" in inp else T
+        qsl = inp["query_start_loc"]
+        seq_of = np.repeat(np.arange(len(qsl) - 1, dtype=np.int32), np.diff(qsl))
+        cap = max(16, 1 << (max(T, L) - 1).bit_length())
+        ctx = StepContext(T, L, inp, seq_of)
+        fns = self.plan.bind(cap)
+        # A step on the BLAS path leaves numba one thread: OpenBLAS's workers spin for a while
+        # after each sgemm, and a parallel numba loop waiting on a core they hold took 25 ms for
+        # an rms_norm (measured). Decode steps call no BLAS and use every thread.
+        import numba
+
+        numba.set_num_threads(1 if T >= GEMM_MIN_TOKENS else self.threads)
+        try:
+            for fn in fns:
+                fn(ctx)
+        finally:
+            numba.set_num_threads(self.threads)
+        out = {}
+        for name in self.graph.outputs:
+            base = self.plan._base(name)
+            rows = L if self.plan.rows.get(name) == "L" else T
+            out[name] = np.array(self.plan.buffer(base)[:rows])
+        return out
+
+    def warm_up(self, progress: Callable[[str], None] = lambda s: None, block_size: int = 16) -> float:
+        """Compile (or load from numba's disk cache) every kernel the plan calls, by running one
+        decode-sized and one prefill-sized step that write no KV slot. Kernels compiled now
+        (not read from numba's cache) are reported through `progress` as they finish, after a first
+        line saying what is happening, and then the total. -> seconds taken."""
+        t0 = time.perf_counter()
+        seen: set = set()
+        todo = [k for s in self.plan.steps for k in s.kernels if not (k in seen or seen.add(k))]
+        done: set = set()
+        compiled = 0
+        for T in (1, GEMM_MIN_TOKENS):
+            nb = -(-T // block_size)
+            if nb > self.num_blocks:
+                continue
+            step = {"input_ids": np.zeros(T, np.int32), "positions": np.arange(T, dtype=np.int32),
+                    "slot_mapping": np.full(T, -1, np.int32), "block_table": np.arange(nb, dtype=np.int32)[None],
+                    "seq_lens": np.array([T], np.int32), "query_start_loc": np.array([0, T], np.int32),
+                    "logits_indices": np.array([T - 1], np.int32)}
+            ctx = StepContext(T, 1, step, np.zeros(T, np.int32))
+            for s, fn in zip(self.plan.steps, self.plan.bind(16)):
+                t1 = time.perf_counter()
+                fn(ctx)
+                dt = time.perf_counter() - t1
+                new = [k for k in s.kernels if k not in done]
+                done.update(new)
+                if any(k.stats.cache_misses for k in new):  # compiled now, not read from the cache
+                    if not compiled:
+                        progress(f"compiling {len(todo)} CPU kernels for this machine (first run only: "
+                                 "numba caches them on disk)")
+                    compiled += len(new)
+                    progress(f"  {', '.join(k.__name__ for k in new)} ({len(done)}/{len(todo)}, {dt:.1f} s)")
+        total = time.perf_counter() - t0
+        if compiled:
+            progress(f"CPU kernels ready in {total:.1f} s")
+        return total

@@ -1,0 +1,100 @@
+"""The compiled CPU executor end to end: `load` picks it by default, keeps a GGUF's weights in
+their blocks, and gives the numpy executor's logits (the oracle) on prefill (BLAS path) and
+decode (GEMV path) steps of real and tiny models; KILN_CPU_BACKEND and fallbacks say what they do.
+The parity and engine tests elsewhere (tests/test_models.py, tests/test_smollm2.py,
+tests/runtime/engine/test_engine.py) run on this executor because it is the default."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.loader import build_graph, load
+from kiln.runtime.cpu.linear import GEMM_MIN_TOKENS
+from kiln.runtime.worker.compiled_cpu_executor import CompiledCpuExecutor
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+from tests.tiny_models import make_tiny_model
+
+
+def steps(vocab: int, seed: int):
+    """A mixed first step (three prompts, one long enough for the BLAS path), then decodes."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (GEMM_MIN_TOKENS + 9, 3, 1)]
+    blocks = [[0, 1, 2], [3], [4]]
+    yield prepare_step([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)], 16)
+    for i in range(2):
+        toks = rng.integers(0, vocab, 3).tolist()
+        yield prepare_step([SeqChunk([t], len(p) + i, b) for t, p, b in zip(toks, prompts, blocks)], 16)
+    for i in range(1):  # one sequence alone
+        yield prepare_step([SeqChunk([int(rng.integers(vocab))], len(prompts[1]) + 3 + i, blocks[1])], 16)
+
+
+def agree(lm, tol):
+    ref = CpuExecutor(lm.graph, lm.source.weights.get, num_blocks=lm.executor.num_blocks)
+    for st in steps(lm.source.config.vocab_size, 5):
+        got = next(iter(lm.executor.execute(st).values()))
+        want = next(iter(ref.execute(st).values()))
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < tol, err
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("variant", ["llama_llama3_rope", "qwen3_qknorm"])
+def test_tiny_models_match_numpy(tmp_path, variant):
+    """attention bias + llama3 rope; Qwen3's q/k norms through attention_preamble"""
+    make_tiny_model(tmp_path, variant)
+    lm = load(tmp_path, kv_cache_tokens=256, tokenizer=False)
+    assert isinstance(lm.executor, CompiledCpuExecutor)
+    agree(lm, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return load(smollm2_gguf, kv_cache_tokens=256, tokenizer=False)
+
+
+def test_smollm2_runs_in_its_q4_1_blocks(smollm2):
+    ex = smollm2.executor
+    assert isinstance(ex, CompiledCpuExecutor)
+    kinds = {w.source for w in ex.weights.values() if hasattr(w, "source")}
+    assert kinds == {"Q4_1", "Q8_0"}  # the file's own types: nothing dequantised at load
+    assert ex.weight_bytes < 130e6  # ~540 MB as f32
+
+
+def test_smollm2_matches_numpy(smollm2):
+    agree(smollm2, 1e-4)
+
+
+def test_backend_switch_and_fallback(monkeypatch, tmp_path, caplog):
+    make_tiny_model(tmp_path, "llama_gqa_untied")
+    monkeypatch.setenv("KILN_CPU_BACKEND", "numpy")
+    assert type(load(tmp_path, kv_cache_tokens=64, tokenizer=False).executor) is CpuExecutor
+    monkeypatch.setenv("KILN_CPU_BACKEND", "fast")
+    with pytest.raises(ConfigError, match="KILN_CPU_BACKEND"):
+        load(tmp_path, kv_cache_tokens=64, tokenizer=False)
+    monkeypatch.setenv("KILN_CPU_BACKEND", "compiled")
+    monkeypatch.setenv("KILN_CPU_THREADS", "0")
+    with pytest.raises(ConfigError, match="KILN_CPU_THREADS"):
+        load(tmp_path, kv_cache_tokens=64, tokenizer=False)
+    monkeypatch.delenv("KILN_CPU_THREADS")
+    # an fp8 KV cache has no compiled kernel: numpy runs it, and says so once
+    with caplog.at_level(logging.WARNING, logger="kiln.loader"):
+        for _ in range(2):
+            lm = load(tmp_path, kv_cache_tokens=64, tokenizer=False, kv_cache_dtype="fp8")
+            assert type(lm.executor) is CpuExecutor
+    said = [r.getMessage() for r in caplog.records if "numpy CPU target" in r.getMessage()]
+    assert len(said) <= 1 and all("fp8" in m or "f32" in m for m in said)
+
+
+def test_refused_graph_names_why():
+    from kiln.models.config import ModelConfig
+    from kiln.runtime.cpu.plan import NotCompilable, check_graph
+    from tests.tiny_models import BASE
+
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    check_graph(build_graph(cfg, target="cpu"))
+    with pytest.raises(NotCompilable, match="f32"):
+        check_graph(build_graph(cfg, target="cpu", kv_cache_dtype="fp8"))

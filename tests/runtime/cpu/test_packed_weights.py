@@ -1,0 +1,91 @@
+"""Packed GGUF weights (runtime/cpu/packed.py) dequantise bit for bit as gguf-py does, and the
+compiled GEMV / BLAS linear over them equals the numpy reference's linear on those values.
+
+Blocks are random bytes (every code pattern) with random finite f16 scales; N is not a multiple
+of the 64-row tile, so padding is exercised. The oracle is gguf-py's `dequantize`, and also
+kiln's own numpy reference of the blocks (graph/gguf_blocks.py) where it is present.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kiln.graph.ops import linear as linear_ref
+from kiln.runtime.cpu import linear as L
+from kiln.runtime.cpu.packed import BLOCKS, R, pack_float, pack_gguf
+
+F16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q6_K": (208,)}  # f16 fields
+
+
+def random_blocks(rng, qtype: str, n: int, k: int) -> np.ndarray:
+    vals, nbytes = BLOCKS[qtype]
+    raw = rng.integers(0, 256, (n, k // vals, nbytes), dtype=np.uint8)
+    for at in F16_AT[qtype]:
+        f16 = (rng.standard_normal((n, k // vals)) * 0.02).astype(np.float16)
+        raw[..., at:at + 2] = f16.view(np.uint8).reshape(n, k // vals, 2)
+    return raw.reshape(n, -1)
+
+
+def oracles(raw: np.ndarray, qtype: str, n: int, k: int) -> list[np.ndarray]:
+    out = [dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)]
+    try:
+        from kiln.graph import gguf_blocks
+    except ImportError:
+        return out
+    return out + [np.asarray(gguf_blocks.dequantize(raw, qtype), np.float32).reshape(n, k)]
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS))
+def test_dequantise_is_bit_exact(qtype):
+    rng = np.random.default_rng(sorted(BLOCKS).index(qtype))
+    n, k = 2 * R + 7, 512
+    raw = random_blocks(rng, qtype, n, k)
+    w = pack_gguf(qtype, raw, k)
+    rows = rng.permutation(n).astype(np.int32)
+    got_rows = np.empty((n, k), np.float32)
+    L.dequant_rows(w, rows, got_rows)
+    got_t = np.empty((k, w.q.shape[0] * R), np.float32)
+    L.dequant_t(w, got_t)
+    for ref in oracles(raw, qtype, n, k):
+        assert np.array_equal(got_rows.view(np.uint32), ref[rows].view(np.uint32))
+        assert np.array_equal(got_t[:, :n].T.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS) + ["F32"])
+def test_linear_matches_the_reference_on_both_paths(qtype):
+    """T below the switch runs the compiled GEMV, T at or above it dequantise + BLAS."""
+    rng = np.random.default_rng(10 + len(qtype))
+    n, k = R + 24, 256
+    if qtype == "F32":
+        ref_w = rng.standard_normal((n, k)).astype(np.float32)
+        w = pack_float(ref_w)
+    else:
+        raw = random_blocks(rng, qtype, n, k)
+        ref_w = oracles(raw, qtype, n, k)[0]
+        w = pack_gguf(qtype, raw, k)
+    scratch = L.Scratch()
+    for T in (1, 3, L.GEMM_MIN_TOKENS - 1, L.GEMM_MIN_TOKENS, 40):
+        x = rng.standard_normal((T, k)).astype(np.float32)
+        y = np.full((T, n), np.nan, np.float32)
+        L.linear(w, x, y, T, scratch)
+        ref = linear_ref(x, ref_w)
+        err = np.abs(y - ref).max() / np.abs(ref).max()
+        assert err < 2e-6, (qtype, T, err)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "F32"])
+def test_gemv_rows_do_not_depend_on_the_batch(qtype):
+    """A token's outputs are the same bits alone or among others (below the BLAS switch)."""
+    rng = np.random.default_rng(3)
+    n, k = R, 128
+    w = pack_float(rng.standard_normal((n, k)).astype(np.float32)) if qtype == "F32" else \
+        pack_gguf(qtype, random_blocks(rng, qtype, n, k), k)
+    x = rng.standard_normal((L.GEMM_MIN_TOKENS - 1, k)).astype(np.float32)
+    batched = np.empty((len(x), n), np.float32)
+    L.gemv(w, x, batched, len(x))
+    for t in (0, 4, len(x) - 1):
+        alone = np.empty((1, n), np.float32)
+        L.gemv(w, np.ascontiguousarray(x[t:t + 1]), alone, 1)
+        assert np.array_equal(alone[0], batched[t])
