@@ -20,6 +20,9 @@ rows of a step need not be contiguous.
   logprobs_kernel           log_softmax of raw logits: a given token's logprob and
       rank, and the top K with `gather_logprobs`' tie rules.
   copy_rows_kernel          raw rows aside before the processors touch them.
+  token_bitmask_kernel      a grammar's allowed tokens (llguidance's packed bitmask: token t is
+      bit t % 32 of word t // 32 of its row) applied in place: -inf where the bit is clear
+      (vLLM: apply_token_bitmask_inplace_triton), before anything else reads the rows.
   stage_inputs_kernel       a step's input block from its staging copy into place, with the
       tokens the step before sampled patched into its input ids on the device (async
       scheduling: the next step is launched before the ids reach the host). Not sampling,
@@ -404,6 +407,21 @@ def copy_rows_kernel(src_ptr, row_idx_ptr, dst_ptr, stride, V: tl.constexpr, BLO
 
 
 @triton.jit
+def token_bitmask_kernel(logits_ptr, row_idx_ptr, bits_ptr, stride, W, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    # grid: (K, cdiv(V, BLOCK_V)); bits: i32[K, W] packed little-endian (token t: bit t % 32 of
+    # word t // 32); logits[row_idx[k], t] = -inf where that bit is clear. A token whose word lies
+    # past W (a grammar vocabulary smaller than the logits') is never allowed.
+    k = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    word = cols // 32
+    # each word is read by 32 neighbouring lanes: one load per word reaches DRAM, the rest L1
+    packed = tl.load(bits_ptr + k.to(tl.int64) * W + word, mask=(cols < V) & (word < W), other=0)
+    banned = ((packed >> (cols % 32)) & 1) == 0
+    base = logits_ptr + tl.load(row_idx_ptr + k).to(tl.int64) * stride
+    tl.store(base + cols, tl.full((BLOCK_V,), float("-inf"), tl.float32), mask=(cols < V) & banned)
+
+
+@triton.jit
 def stage_inputs_kernel(src_ptr, dst_ptr, map_ptr, ids_ptr, n_words, ids_off, n_ids, BLOCK: tl.constexpr):
     # grid: (cdiv(n_words, BLOCK),); dst[i] = src[i] (i32 words), except at the n_ids input ids from
     # word ids_off on: there, where map[j] >= 0, dst[ids_off + j] = ids[map[j]] (a sampled id)
@@ -431,12 +449,14 @@ SIGNATURES = {
     "logprobs": dict(logits_ptr=_P, row_idx_ptr="*i32", tok_ptr="*i32", tok_idx_ptr="*i32", ids_ptr="*i32",
                      lp_ptr=_P, rank_ptr="*i32", stride="i32", K="i32"),
     "copy_rows": dict(src_ptr=_P, row_idx_ptr="*i32", dst_ptr=_P, stride="i32"),
+    "bitmask": dict(logits_ptr=_P, row_idx_ptr="*i32", bits_ptr="*i32", stride="i32", W="i32"),
     "stage": dict(src_ptr="*i32", dst_ptr="*i32", map_ptr="*i32", ids_ptr="*i32", n_words="i32", ids_off="i32",
                   n_ids="i32"),
 }
 STAGE_BLOCK = 1024  # i32 words a stage_inputs program moves: a batch-1 decode step's inputs are one program
 _KERNELS = {"processors": "logits_processors_kernel", "sample": "sample_kernel", "logprobs": "logprobs_kernel",
-            "copy_rows": "copy_rows_kernel", "stage": "stage_inputs_kernel"}
+            "copy_rows": "copy_rows_kernel", "stage": "stage_inputs_kernel", "bitmask": "token_bitmask_kernel"}
+BITMASK_CONFIG = ElementwiseConfig(block=4096, num_warps=4)  # a 152k row: 38 programs of 128 words
 
 
 def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseConfig | None = None,
@@ -456,6 +476,12 @@ def sampling_spec(role: str, vocab: int, rows: int = 1, *, config: ElementwiseCo
                           constexprs=dict(V=vocab, BLOCK_V=config.block, NP_PAD=next_pow2(np_),
                                           WRITE_MASKED=write_masked),
                           grid=(rows, np_), num_warps=config.num_warps, num_stages=1,
+                          divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
+    if role == "bitmask":  # (rows, programs per row), as the sample kernel
+        config = config or BITMASK_CONFIG
+        return KernelSpec(module=__name__, kernel=_KERNELS[role], signature=sig,
+                          constexprs=dict(V=vocab, BLOCK_V=config.block), grid=(rows, -(-vocab // config.block)),
+                          num_warps=config.num_warps, num_stages=1,
                           divisible=tuple(a for a, t in sig.items() if t.startswith("*")))
     config = config or DEFAULT_CONFIG
     const = dict(V=vocab, BLOCK_V=config.block)
@@ -478,6 +504,7 @@ def sampler_manifest(specs: dict[str, KernelSpec], key) -> dict:
     is split over and their padded count (its scratch layout, runtime/sample/phases.py)."""
     return {role: {"kernel": key(role, spec), "args": list(spec.signature),
                    **({"programs": spec.grid[1], "np_pad": spec.constexprs["NP_PAD"]} if role == "sample" else {}),
+                   **({"programs": spec.grid[1]} if role == "bitmask" else {}),
                    **({"block": spec.constexprs["BLOCK"]} if role == "stage" else {})}
             for role, spec in specs.items()}
 
@@ -557,6 +584,15 @@ def stage_inputs(src, dst, ids_off: int, feed_map=None, ids=None) -> None:
     ids = np.zeros(1, np.int32) if ids is None else ids
     launch(sampling_spec("stage", 0, -(-n // STAGE_BLOCK)),
            [_i32(src), as_buf(dst), _i32(feed_map), _i32(ids), n, int(ids_off), n_ids])
+
+
+def apply_token_bitmask(logits, row_idx, bits, *, config: ElementwiseConfig | None = None) -> None:
+    """In place: logits[row_idx[k], t] = -inf where bit t of bits[k] (i32[K, W]) is clear."""
+    logits = _logits(logits)
+    bits = np.ascontiguousarray(bits, dtype=np.int32)
+    check(bits.ndim == 2 and bits.shape[0] == len(row_idx), "apply_token_bitmask: one bits row per logits row")
+    spec = sampling_spec("bitmask", shape_of(logits)[1], len(row_idx), config=config)
+    launch(spec, [logits, _i32(row_idx), as_buf(bits), strides_of(logits)[0], bits.shape[1]])
 
 
 def copy_rows(logits, row_idx, *, config: ElementwiseConfig = DEFAULT_CONFIG) -> np.ndarray:

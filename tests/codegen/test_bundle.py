@@ -33,7 +33,7 @@ def test_every_bucket_compiles_and_round_trips(arch, target, tmp_path):
     assert set(plans) == {"d1x1", "d2x2", "d4x4", "d8x8", "m16x8", "m32x8", "m64x8"}
     used = {key for p in plans.values() for key, _, _ in p["launches"]}
     sampler = {s["kernel"] for s in b.manifest["sampler"].values()}  # launched by the runtime's GpuSampler
-    assert set(b.manifest["sampler"]) == {"processors", "sample", "logprobs", "copy_rows", "stage"}
+    assert set(b.manifest["sampler"]) == {"processors", "sample", "logprobs", "copy_rows", "stage", "bitmask"}
     assert used | sampler == set(b.kernels)  # every launched kernel has its cubin, nothing extra
     assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
     # every plan kernel overlaps its predecessor's tail (codegen/triton/pdl.py) but a GEMM right

@@ -224,3 +224,24 @@ def test_seeded_rows_equal_alone_and_batched():
     draws = K.sample(logits[[0] * 8], np.zeros(8), np.ones(8), np.full(8, V), np.ones(8), np.zeros(8),
                      row_seeds([7] * 8, range(8), rng), config=CFG)
     assert len(set(draws.tolist())) > 1  # the step changes the key
+
+
+@pytest.mark.parametrize("vocab,words,block", [(97, 4, 32), (1000, 32, 128), (256, 8, 64), (61, 3, 128)],
+                         ids=["V97", "V1000", "V256", "V61-one-block"])
+def test_token_bitmask_equals_the_numpy_reference(vocab, words, block):
+    """The grammar mask (llguidance's packed bits) on fresh random logits and masks, rows picked
+    out of order and not all of them, vocabularies that 32 does and does not divide: the masked
+    rows equal runtime/sample/ops.py's apply_token_bitmask, the others are untouched."""
+    rng = np.random.default_rng()
+    logits = (rng.standard_normal((6, vocab)) * 4).astype(np.float32)
+    rows = np.array([4, 0, 5], np.int32)
+    bits = rng.integers(-2**31, 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    bits[2] = 0
+    bits[2, 1] = np.int32(1 << 7)  # one token allowed: 39
+    want = logits.copy()
+    ops.apply_token_bitmask(want, rows, bits)
+    got = logits.copy()
+    K.apply_token_bitmask(got, rows, bits, config=ElementwiseConfig(block=block, num_warps=4))
+    assert np.array_equal(got, want)
+    assert np.isneginf(got[5]).sum() == vocab - 1 and got[5, 39] == logits[5, 39]
+    assert np.array_equal(got[[1, 2, 3]], logits[[1, 2, 3]])
