@@ -62,10 +62,6 @@ def plan_chat_output(state, req: ChatCompletionRequest, prompt: str) -> ChatOutp
 def structured_params(state, req: BaseRequest, kwargs: dict, reasoning: Optional[ReasoningParser] = None,
                       prompt_state: PromptReasoning = PromptReasoning.CLOSED) -> StructuredOutputsParams:
     """The request's grammar, compiled and checked now (a 400 before anything is queued)."""
-    args = getattr(state.engine, "args", None)
-    if args is not None and getattr(args, "target", "cpu") != "cpu":
-        raise bad_request("Structured output (response_format, structured_outputs, guided_*, tool_choice "
-                          "required or named) runs on the cpu target only for now.", kwargs["field"])
     tok = state.engine.tokenizer
     if tok is None:
         raise bad_request("Structured output needs the model's tokenizer.", kwargs["field"])

@@ -8,6 +8,8 @@ codegen/triton/sampling.py), on the executor's stream, right after the plan:
             stream waits for it by an event): row indices, per-row knobs and Philox keys,
             the CSR processor entries (runtime/sample/sampler_inputs.py), prompt logprob rows and
             targets; skipped when the device copy holds those bytes already
+  bitmask   the constrained rows' grammar masks (llguidance's packed bits, computed on the host
+            while the step's model launches run) applied in place, before anything reads the rows
   copy_rows raw copies of the sampled rows, only when some row wants logprobs (the
             processors below work in place; vLLM computes raw logprobs before them too)
   logprobs  prompt-logprob rows (raw: the processors never touch them)
@@ -135,16 +137,25 @@ class GpuSampler:
         meta = manifest["sampler"]["sample"]
         self._sample_programs, self._sample_pad = int(meta["programs"]), int(meta["np_pad"])
         self._scratch, self._scratch_rows = 0, 0
+        self._mask_programs = int(manifest["sampler"].get("bitmask", {}).get("programs", 0))
 
     # -- one step -------------------------------------------------------------------------
     def sample(self, rows: Sequence[int], md: Optional[SamplingMetadata], seeds: Sequence[Optional[int]] = (),
-               prompt: Sequence[PromptJob] = ()) -> tuple[Optional[SamplerOutput], list[Optional[LogprobsTensors]]]:
+               prompt: Sequence[PromptJob] = (), bitmask=None
+               ) -> tuple[Optional[SamplerOutput], list[Optional[LogprobsTensors]]]:
         """rows[b]: the logits row of sampled request b (md's row b); seeds[b]: its
-        SamplingParams.seed. -> (SamplerOutput or None without rows, prompt logprobs per job)."""
-        return self.collect(self.launch(rows, md, seeds, prompt))
+        SamplingParams.seed; bitmask: the constrained rows' allowed tokens
+        (structured_output_manager.GrammarBitmask: rows index `rows`) or None.
+        -> (SamplerOutput or None without rows, prompt logprobs per job)."""
+        return self.collect(self.launch(rows, md, seeds, prompt, bitmask))
+
+    @property
+    def can_mask(self) -> bool:
+        """Whether the bundle has the grammar-mask kernel (bundles compiled before it have not)."""
+        return "bitmask" in self._roles
 
     def launch(self, rows: Sequence[int], md: Optional[SamplingMetadata], seeds: Sequence[Optional[int]] = (),
-               prompt: Sequence[PromptJob] = ()) -> "SampleHandle":
+               prompt: Sequence[PromptJob] = (), bitmask=None) -> "SampleHandle":
         """sample() up to the copy back, queued on the stream: -> a handle for collect(). Two
         steps may be in flight (each has its own pinned buffers); a third launch needs the
         first one collected. The sampled ids stay on the device at handle.ids_dev for
@@ -158,9 +169,13 @@ class GpuSampler:
         kp = max((prompt[i].k for i in on_gpu), default=0)
         P = sum(len(prompt[i].targets) for i in on_gpu)
         gpu_kp = P > 0
+        if bitmask is not None and not len(bitmask.rows):
+            bitmask = None
+        if bitmask is not None and not self.can_mask:
+            raise ValueError("this bundle has no grammar-mask kernel for structured output: recompile it")
 
         slot = self._claim()
-        staged, inp = self._stage(slot, rows, md, seeds, [prompt[i] for i in on_gpu])
+        staged, inp = self._stage(slot, rows, md, seeds, [prompt[i] for i in on_gpu], bitmask)
         out_specs = {"ids": (np.int32, max(B, 1))}
         if gpu_k:
             out_specs.update(lp_ids=(np.int32, B * (k + 1)), lp=(np.float32, B * (k + 1)), lp_rank=(np.int32, B * (k + 1)))
@@ -173,6 +188,10 @@ class GpuSampler:
         out = {n: ob.dev + off for n, off in o_off.items()}
         stride = V
 
+        if bitmask is not None:  # first: raw logprobs see the grammar's cut too, as in the numpy Sampler
+            self._launch("bitmask", (len(bitmask.rows), self._mask_programs), logits_ptr=self.logits_ptr,
+                         row_idx_ptr=staged["g_rows"], bits_ptr=staged["g_bits"], stride=stride,
+                         W=bitmask.bits.shape[1])
         if k is not None:  # raw copies before the processors write the rows
             self._reserve_raw(B)
             self._launch("copy_rows", B, src_ptr=self.logits_ptr, row_idx_ptr=staged["rows"], dst_ptr=self._raw,
@@ -271,8 +290,8 @@ class GpuSampler:
         return self._claimed
 
     # -- pieces ---------------------------------------------------------------------------
-    def _stage(self, slot: int, rows, md, seeds,
-               gpu_prompt: Sequence[PromptJob]) -> tuple[dict[str, int], Optional[SamplerInputs]]:
+    def _stage(self, slot: int, rows, md, seeds, gpu_prompt: Sequence[PromptJob],
+               bitmask=None) -> tuple[dict[str, int], Optional[SamplerInputs]]:
         """Pack this step's inputs into the pinned buffer, one async upload -> (name: device
         pointer, the sampled rows' SamplerInputs or None without rows)."""
         B = len(rows)
@@ -289,6 +308,9 @@ class GpuSampler:
             if inp.has_processors:
                 arrays.update(start=inp.start, tok=inp.tok, bias=inp.bias, count=inp.count, mode=inp.mode,
                               rep=inp.repetition, freq=inp.frequency, pres=inp.presence)
+        if bitmask is not None:  # the masked rows' logits rows, and their bits (i32[K, W] row-major)
+            arrays.update(g_rows=np.asarray(rows, np.int32)[np.asarray(bitmask.rows)],
+                          g_bits=np.ascontiguousarray(bitmask.bits, np.int32).reshape(-1))
         P = 0
         if gpu_prompt:
             arrays.update(p_rows=np.concatenate([j.first_row + np.arange(len(j.targets)) for j in gpu_prompt])

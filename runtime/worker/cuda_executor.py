@@ -243,22 +243,24 @@ class CudaExecutor:
 
         return GpuSampler(self.ctx, self.manifest, self.kernels, self.bases["arena"] + self.logits_offset, seed=seed)
 
-    def execute_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=()):
+    def execute_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=(),
+                           bitmask=None):
         """One step whose logits stay on the device: the bucket's plan as in execute(), then
         `sampler` (make_sampler) on the same stream over logits rows `rows`; only the sampled
         ids (and the logprobs asked for) come back. -> GpuSampler.sample's result. metadata: the
-        SamplingMetadata, or a function giving it, called once the step's launches are queued."""
+        SamplingMetadata, or a function giving it, called once the step's launches are queued;
+        bitmask likewise (the grammar masks, computed on the host while the GPU runs the model)."""
         self._launch_step(inputs)
-        return sampler.sample(rows, _resolved(metadata), seeds, prompt)
+        return sampler.sample(rows, _resolved(metadata), seeds, prompt, _resolved(bitmask))
 
     def launch_and_sample(self, inputs: Mapping[str, np.ndarray], sampler, rows, metadata, seeds=(), prompt=(),
-                          feed=None):
+                          feed=None, bitmask=None):
         """execute_and_sample without waiting: -> the GpuSampler handle to collect. feed:
         (handle of the step before, its sampled rows, token positions in this step's
         input_ids): those input ids are the ids that step sampled, put in on the device by the
         stage kernel (runtime/worker/input_stager.py; the host staged placeholders there)."""
         self._launch_step(inputs, feed=feed)
-        return sampler.launch(rows, _resolved(metadata), seeds, prompt)
+        return sampler.launch(rows, _resolved(metadata), seeds, prompt, _resolved(bitmask))
 
     def _launch_step(self, inputs: Mapping[str, np.ndarray], feed=None) -> None:
         """execute() up to the logits download: stage, upload, the bucket's launches (or graph)."""

@@ -71,6 +71,7 @@ class PendingOutput:
     output: ModelRunnerOutput | None = None
     future: Future = field(default_factory=Future)  # resolved with `output` by ModelRunner.collect
     failed: dict = field(default_factory=dict)  # ModelRunnerOutput.failed of its step
+    grammars: list | None = None  # per sampled state, its RequestGrammar or None (None: none constrained)
 
 
 @dataclass
@@ -179,6 +180,10 @@ class ModelRunner:
                         raise ValueError("bad_words needs a tokenizer")
                     bad = params.tokenize_bad_words(self.encode, self.vocab_size)
                 generator = params.new_generator()
+                if params.structured_outputs is not None and self.gpu_sampler is not None \
+                        and not self.gpu_sampler.can_mask:
+                    raise ValueError("structured output needs the grammar-mask kernel, which this bundle "
+                                     "was compiled without: recompile it")
                 grammar = self.structured.new_request(params)
             except Exception as e:  # (issue 42 #8: seed=-5 once raised here and killed the engine)
                 logger.warning("request %s failed to start", new.req_id, exc_info=True)
@@ -290,10 +295,6 @@ class ModelRunner:
             return ModelRunnerOutput([], [], failed=self._failed)
         plan = self._chunks(so)
         if self.gpu_sampler is not None:
-            if self.structured.num_requests:
-                # (the server refuses these requests first; this is the offline LLM's message)
-                raise ValueError("structured output runs on the cpu target only: "
-                                 "the GPU sampler has no grammar mask yet")
             pending = self._execute_sampling_on_device(plan, so.state_saves)
             pending.failed = self._failed
             return pending
@@ -312,10 +313,15 @@ class ModelRunner:
         out = self.sampler.sample(logits[rows], self._metadata(states), mask) if states else None
         result = self._output(plan, sample_idx, states, out, prompt_lps)
         result.failed = self._failed
+        self._accept(result, plan, sample_idx, grammars)
+        return result
+
+    def _accept(self, result: ModelRunnerOutput, plan: StepPlan, sample_idx: list[int], grammars) -> None:
+        """The step's grammars take their sampled tokens; a grammar at a dead end names its request's
+        stop reason."""
         if grammars:
             self.structured.accept(grammars, result_tokens(result, sample_idx))
             result.stop_reasons = self.structured.stop_reasons([plan.ids[i] for i in sample_idx], grammars)
-        return result
 
     def _output(self, plan: StepPlan, sample_idx: list[int], states: list[RunnerRequestState], out,
                 prompt_lps: dict, record: bool = True) -> ModelRunnerOutput:
@@ -401,26 +407,35 @@ class ModelRunner:
                 jobs[rid] = PromptJob(r0 + skip, targets.astype(np.int32), k)
         sample_idx = plan.sample_idx
         states = plan.states if len(sample_idx) == len(plan.ids) else [plan.states[i] for i in sample_idx]
+        grammars = [st.grammar for st in states] if self.structured.num_requests else None
+        if grammars is not None and all(g is None for g in grammars):
+            grammars = None
         feed = None
         if self._in_flight:
-            if any(_reads_tokens(st.params) for st in states):
-                self.flush()  # penalties and bad words read the tokens themselves, on the host
+            if grammars is not None or any(_reads_tokens(st.params) for st in states):
+                # penalties and bad words read the tokens themselves, on the host; a grammar must
+                # have taken its request's last token before it can say what may come next
+                self.flush()
             else:
                 feed = self._feed(plan, self._in_flight[-1])
         inputs, seeds = self._step_inputs(plan), [s.params.seed for s in states]
-        # The sampling metadata is built once the model's launches are queued (the executor calls
-        # this): the GPU runs the step meanwhile, so a prompt's first token does not wait on it.
+        # The sampling metadata and the grammar masks are made once the model's launches are
+        # queued (the executor calls these): the GPU runs the step meanwhile, so neither a
+        # prompt's first token nor a constrained row waits on the host's part.
         md = (lambda: self._metadata(states)) if states else None
+        extra = {"bitmask": lambda: self.structured.bitmask(grammars)} if grammars is not None else {}
         if not self.launches_ahead:
             out, prompt = self.executor.execute_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
-                                                           prompt=list(jobs.values()))
+                                                           prompt=list(jobs.values()), **extra)
             if state_saves:
                 self.executor.copy_state_slots(state_saves)
             prompt_lps.update(zip(jobs, prompt))
-            return self._output(plan, sample_idx, states, out, prompt_lps)
+            result = self._output(plan, sample_idx, states, out, prompt_lps)
+            self._accept(result, plan, sample_idx, grammars)
+            return result
         # (at most one step is in flight here: each deferred launch below reads its predecessor back)
         handle = self.executor.launch_and_sample(inputs, self.gpu_sampler, rows, md, seeds=seeds,
-                                                 prompt=list(jobs.values()), feed=feed)
+                                                 prompt=list(jobs.values()), feed=feed, **extra)
         if state_saves:
             self.executor.copy_state_slots(state_saves)
         self.fed_steps += feed is not None
@@ -430,7 +445,7 @@ class ModelRunner:
         for st in states:
             st.output_token_ids.append(-1)
         self.batch.append_tokens(plan.rows[sample_idx], np.full(len(states), -1, np.int32))
-        pending = PendingOutput(plan, sample_idx, states, handle, list(jobs), prompt_lps, spots)
+        pending = PendingOutput(plan, sample_idx, states, handle, list(jobs), prompt_lps, spots, grammars=grammars)
         self._in_flight.append(pending)
         if handle.host_gather:  # logprobs from raw rows a later step would overwrite: read them now
             self.collect(pending)
@@ -472,6 +487,7 @@ class ModelRunner:
                         self.batch.token_ids[st.row, bi] = tok
             p.output = self._output(p.plan, p.sample_idx, p.states, out, p.prompt_lps, record=False)
             p.output.failed = p.failed
+            self._accept(p.output, p.plan, p.sample_idx, p.grammars)
             p.future.set_result(p.output)
         return pending.output
 

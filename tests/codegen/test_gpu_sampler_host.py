@@ -226,23 +226,24 @@ def test_llm_tokens_and_logprobs_equal_the_cpu_path(tmp_path):
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 
 
-def _on_host_device(llm) -> None:
+def _on_host_device(llm, vocab: int = 256) -> None:
     """Give llm's runner the device path over the stand-in: its CPU executor's logits written to
     "device" memory, then a GpuSampler; input ids staged into "device" memory by the executor's
-    InputStager, the ids still in flight fed in by its stage kernel."""
+    InputStager, the ids still in flight fed in by its stage kernel; grammar masks, made when
+    the executor asks for them (after the step's launches), applied by the mask kernel."""
     runner = llm.engine.core.runner
     dev, cpu_executor = HostDevice(), runner.executor
-    logits_ptr = dev.malloc(4 * 256 * 64)
+    logits_ptr = dev.malloc(4 * vocab * 64)
     ids_ptr = dev.malloc(4 * 64)
     stager = host_stager(dev, ids_ptr, 4 * 64, 64)
 
     class DeviceLogits:
         num_blocks = cpu_executor.num_blocks
 
-        def execute_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=()):
-            return sampler.collect(self.launch_and_sample(inputs, sampler, rows, md, seeds, prompt))
+        def execute_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=(), bitmask=None):
+            return sampler.collect(self.launch_and_sample(inputs, sampler, rows, md, seeds, prompt, bitmask=bitmask))
 
-        def launch_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=(), feed=None):
+        def launch_and_sample(self, inputs, sampler, rows, md, seeds=(), prompt=(), feed=None, bitmask=None):
             ids = np.ascontiguousarray(inputs["input_ids"], np.int32)
             if feed is not None:
                 prev, src_idx, dst_idx = feed
@@ -254,9 +255,9 @@ def _on_host_device(llm) -> None:
             assert (inputs["input_ids"] >= 0).all()
             logits = next(iter(cpu_executor.execute(inputs).values()))
             dev.upload(logits_ptr, np.ascontiguousarray(logits, np.float32))
-            return sampler.launch(rows, _resolved(md), seeds, prompt)
+            return sampler.launch(rows, _resolved(md), seeds, prompt, _resolved(bitmask))
 
-    runner.executor, runner.gpu_sampler = DeviceLogits(), host_sampler(dev, 256, logits_ptr, block=128)
+    runner.executor, runner.gpu_sampler = DeviceLogits(), host_sampler(dev, vocab, logits_ptr, block=128)
 
 
 def test_async_scheduling_feeds_sampled_ids_on_the_device(tmp_path):
@@ -410,3 +411,55 @@ def test_a_thread_that_steps_the_engine_binds_the_device_context_first(tmp_path)
         llm.generate(prompts, sp)  # back on the loading thread: bound again there
         assert bound == [t.ident, threading.get_ident()]
         assert llm.engine.core._worker is None
+
+
+def test_constrained_requests_run_on_the_device_path(tmp_path):
+    """Structured output through the device path: llguidance's masks, made when the executor asks
+    for them (after the step's model launches), applied by the mask kernel to the rows in
+    "device" memory. Greedy constrained tokens equal the numpy sampler's; seeded temperature-1
+    ones hold their grammars; async scheduling (which reads a constrained step back before the
+    next is launched, as the grammar needs its token) gives the synchronous tokens; an
+    unconstrained request in the same batch is untouched."""
+    pytest.importorskip("torch")
+    import json
+    import re
+
+    import jsonschema
+
+    from kiln import LLM
+    from kiln.runtime.sample.structured_outputs import StructuredOutputsParams
+    from tests.server.tiny_chat_model import VOCAB_SIZE, make_tiny_chat_model
+
+    make_tiny_chat_model(tmp_path)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "c": {"enum": ["red", "blue"]}},
+              "required": ["n", "c"], "additionalProperties": False}
+    regex = "[0-9]{3}-[a-z]{2,4}"
+    grammars = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(json=schema),
+                StructuredOutputsParams(choice=["yes", "no", "maybe"]), None]
+    prompts = ["hello", "a b c", "xyz", "free"]
+
+    def params(temperature, seed=None):
+        return [SamplingParams(temperature=temperature, seed=None if seed is None else seed + i,
+                               max_tokens=30 if g else 6, structured_outputs=g, ignore_eos=g is None)
+                for i, g in enumerate(grammars)]
+
+    def check(outs):
+        texts = [o.outputs[0].text for o in outs]
+        assert re.fullmatch(regex, texts[0]), texts[0]
+        jsonschema.validate(json.loads(texts[1]), schema)
+        assert texts[2] in ("yes", "no", "maybe") and len(outs[3].outputs[0].token_ids) == 6
+        return [o.outputs[0].token_ids for o in outs]
+
+    common = dict(max_num_batched_tokens=16, kv_cache_tokens=2048, max_num_seqs=4)
+    want_greedy = check(LLM(tmp_path, **common).generate(prompts, params(0.0)))
+    sync = LLM(tmp_path, **common)
+    _on_host_device(sync, VOCAB_SIZE)
+    assert sync.engine.core.runner.gpu_sampler.can_mask
+    assert check(sync.generate(prompts, params(0.0))) == want_greedy
+    want_random = check(sync.generate(prompts, params(1.0, seed=11)))
+
+    llm = LLM(tmp_path, async_scheduling=True, **common)
+    _on_host_device(llm, VOCAB_SIZE)
+    assert check(llm.generate(prompts, params(1.0, seed=11))) == want_random
+    assert not llm.engine.core.runner._in_flight
