@@ -11,6 +11,7 @@ a 150k vocabulary).
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Optional, Sequence
 
@@ -40,9 +41,48 @@ class GrammarTokenizer:
         if self._ll is None:
             import llguidance
 
-            self._ll = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
-                                              eos_token=self.eos_token_ids or None)
+            ll = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
+                                        eos_token=self.eos_token_ids or None)
+            plain = self._plain_added_tokens()
+            self._ll = self._with_plain_tokens(ll, plain) if plain else ll
         return self._ll
+
+    def _plain_added_tokens(self) -> set[int]:
+        """Ids of the tokenizer's added tokens that are not special (Qwen3's <think>, </think>,
+        <tool_call>, ...): text the model writes, which a grammar must be able to match."""
+        added = json.loads(self.tokenizer_json).get("added_tokens") or []
+        return {int(t["id"]) for t in added if not t.get("special", False)}
+
+    def _with_plain_tokens(self, ll, plain: set[int]):
+        """llguidance 1.9 reads every added token of a tokenizer.json as special, though its mask
+        lets a plain one through where its text fits, and then its matcher refuses the token:
+        a grammar spanning `</think>` reached a dead end. vLLM builds its LLTokenizer the same way
+        (vllm/v1/structured_output/backend_guidance.py: llguidance.hf.from_tokenizer over the
+        serialised tokenizer), so it has this too. Rebuilt here through llguidance's
+        TokenizerWrapper, where the caller names the special ids: every token keeps the bytes
+        llguidance gave it, and only the tokenizer's special=true tokens (and ids past its
+        vocabulary) stay special."""
+        import llguidance
+        from tokenizers import Tokenizer
+
+        n = ll.vocab_size
+        backend = Tokenizer.from_str(self.tokenizer_json)
+        # (the tokenizer.json's own decoder cannot give a byte-level token's bytes alone: it
+        # replaces a partial UTF-8 sequence; llguidance's table has them)
+
+        class _Tokens:
+            eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else n - 1
+            bos_token_id = None
+            tokens = [ll.decode_bytes([i]) for i in range(n)]
+            special_token_ids = [i for i in range(n) if i not in plain and ll.is_special_token(i)]
+
+            def __call__(self, text):
+                if isinstance(text, bytes):
+                    text = text.decode("utf-8", errors="replace")
+                return backend.encode(text, add_special_tokens=False).ids
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens()), n_vocab=self.vocab_size,
+                                      eos_token=self.eos_token_ids or None)
 
     def __getstate__(self):  # the engine process builds its own
         return {**self.__dict__, "_ll": None}
