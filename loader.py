@@ -122,6 +122,24 @@ def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
     return source.config, load_tokenizer(source) if tokenizer else None
 
 
+def check_gpu_runtime(target: str) -> None:
+    """Running on a GPU target needs cuda-python, a driver and a device: each missing one is one
+    sentence before anything compiles or loads (issue 42 #5: 35-57 lines of traceback)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise KilnError(f"cuda-python is not installed, and target {target} runs through it: "
+                        f"{GPU_INSTALL_HINT}") from None
+    try:
+        result = driver.cuInit(0)
+    except Exception as e:  # cuda-bindings cannot dlopen libcuda: no driver installed
+        raise KilnError(f"target {target} needs the NVIDIA driver, which cannot be loaded here: {e}") from None
+    err = result[0] if isinstance(result, tuple) else result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = getattr(err, "name", str(err))
+        raise KilnError(f"target {target} needs an NVIDIA driver and GPU, and cuInit failed here with {name}")
+
+
 def load(model: str | Path | None = None, *, target: str = "cpu", block_size: int = 16,
          kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
@@ -152,6 +170,7 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
                                 num_state_slots=num_state_slots, block_size=block_size)
         return LoadedModel(source, graph, executor, tok, block_size)
 
+    check_gpu_runtime(target)  # before minutes of compiling for a GPU this machine cannot reach
     from kiln.runtime.worker.cuda_executor import CudaExecutor
 
     bundle = compile_model(source, graph, target=target, block_size=block_size,

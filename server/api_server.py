@@ -7,6 +7,7 @@ from the OS; the port actually bound is printed and returned.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -18,7 +19,8 @@ from typing import Optional
 import tornado.httpserver
 import tornado.netutil
 
-from kiln.errors import KilnError
+from kiln.errors import ChatTemplateError, KilnError
+from kiln.runtime.text.chat_template import compile_template
 from kiln.server.app import make_app
 from kiln.server.state import ServerConfig
 
@@ -39,9 +41,28 @@ class ListeningServer:
         await self.http_server.close_all_connections()
 
 
-def listen(app, config: ServerConfig, host: str, port: int) -> ListeningServer:
-    """Bind and start serving on the running event loop."""
-    sockets = tornado.netutil.bind_sockets(port, host)
+def bind(host: str, port: int) -> list:
+    """The listening sockets, or one sentence: bound before the model loads, so a port in use is
+    said at once (issue 42 #6: it was said after minutes of loading)."""
+    try:
+        return tornado.netutil.bind_sockets(port, host)
+    except OSError as e:
+        what = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise KilnError(f"cannot listen on {host}:{port}: {what}") from None
+
+
+def check_chat_template(template: Optional[str], whose: str) -> None:
+    """A template that does not compile is found at start, not at the first request (issue 42 #12)."""
+    if template is not None:
+        try:
+            compile_template(template)
+        except ChatTemplateError as e:
+            raise KilnError(f"{whose} chat template cannot be used: {e}") from None
+
+
+def listen(app, config: ServerConfig, host: str, port: int, sockets: Optional[list] = None) -> ListeningServer:
+    """Bind (unless `sockets` are bound already) and start serving on the running event loop."""
+    sockets = sockets if sockets is not None else tornado.netutil.bind_sockets(port, host)
     server = tornado.httpserver.HTTPServer(app, max_body_size=max(4 * config.max_body_bytes, MIN_BODY_DRAIN_BYTES),
                                            idle_connection_timeout=3600)
     server.add_sockets(sockets)
@@ -49,11 +70,11 @@ def listen(app, config: ServerConfig, host: str, port: int) -> ListeningServer:
 
 
 async def serve(engine, config: ServerConfig, host: str, port: int, *, load_seconds: float = 0.0,
-                stop: Optional[asyncio.Event] = None) -> None:
-    """Serve until `stop` is set or SIGINT/SIGTERM arrives."""
+                stop: Optional[asyncio.Event] = None, sockets: Optional[list] = None) -> None:
+    """Serve until `stop` is set or SIGINT/SIGTERM arrives (on `sockets` if bound already)."""
     app = make_app(engine, config)
     try:
-        srv = listen(app, config, host, port)
+        srv = listen(app, config, host, port, sockets)
     except OSError as e:
         engine.shutdown()
         raise KilnError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
@@ -79,8 +100,21 @@ def run_server(args, config: ServerConfig, host: str, port: int, *, engine_proce
 
     # Warnings and errors (4xx/5xx access lines, engine failures) to stderr; 2xx stay quiet.
     logging.basicConfig(level=logging.WARNING, format="[kiln] %(levelname)s %(name)s: %(message)s")
-    t0 = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(args, engine_process=engine_process)
-    load_s = time.perf_counter() - t0
-    asyncio.run(serve(engine, config, host, port, load_seconds=load_s))
+    check_chat_template(config.chat_template, "the --chat-template")
+    sockets = bind(host, port)
+    try:
+        t0 = time.perf_counter()
+        engine = AsyncLLM.from_engine_args(args, engine_process=engine_process)
+        load_s = time.perf_counter() - t0
+        if config.chat_template is None and engine.tokenizer is not None:
+            try:
+                check_chat_template(engine.tokenizer.chat_template, "the model's")
+            except KilnError:
+                engine.shutdown()
+                raise
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    asyncio.run(serve(engine, config, host, port, load_seconds=load_s, sockets=sockets))
     return 0

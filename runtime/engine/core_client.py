@@ -11,7 +11,8 @@ AsyncLLM work unchanged on top of it.
 Messages (pickled over a multiprocessing Pipe; the front writes through a PipeWriter thread,
 so that a burst can never leave both sides blocked writing: runtime/engine/pipe_writer.py):
   front -> core: ("add", Request) | ("abort", ([ids], seq)) | ("shutdown", None)
-  core -> front: ("ready", info) | ("step", packed outputs, SchedulerStats, tokens, snapshot)
+  core -> front: ("ready", info) | ("failed", a KilnError's sentence: the engine could not be built)
+                 | ("step", packed outputs, SchedulerStats, tokens, snapshot)
                  | ("idle", SchedulerStats, snapshot, seq) | ("rejected", id, message) | ("error", message)
 
 "idle" is the core's report once it has nothing to run after aborts, naming the last abort
@@ -24,6 +25,7 @@ import multiprocessing as mp
 import traceback
 from typing import Any, Callable, Iterable
 
+from kiln.errors import KilnError
 from kiln.runtime.core.request import FinishReason, Request
 from kiln.runtime.core.sched_output import EngineCoreOutput
 from kiln.runtime.core.scheduler_stats import PrefixCacheStats, SchedulerStats
@@ -32,6 +34,11 @@ from kiln.runtime.engine.pipe_writer import PipeWriter
 
 class EngineCoreDeadError(RuntimeError):
     pass
+
+
+class EngineCoreStartError(EngineCoreDeadError, KilnError):
+    """The core could not build its engine for a reason a user can fix (a KilnError in the child:
+    a missing model, a GPU target without cuda-python or a driver): its one sentence."""
 
 
 _FIELDS = ("request_id", "new_token_ids", "finish_reason", "new_logprobs", "new_prompt_logprobs", "stop_reason",
@@ -53,7 +60,11 @@ def _core_main(build: Callable[[], tuple[Any, Any]], conn) -> None:
     """The child: build the engine (`build()` -> (LLMEngine, loaded model)), then step while
     there is work, block on the pipe when idle."""
     try:
-        engine, _ = build()
+        try:
+            engine, _ = build()
+        except KilnError as e:  # the user's to fix: one sentence, not the child's traceback
+            conn.send(("failed", str(e)))
+            return
         core = engine.core
         conn.send(("ready", {"max_model_len": core.max_model_len, "snapshot": core.snapshot()}))
         aborted = None  # the seq of the last abort applied, reported once idle
@@ -101,6 +112,9 @@ class EngineCoreClient:
             self.shutdown()
             raise EngineCoreDeadError(f"the engine core did not start within {start_timeout:.0f} s")
         msg = self._recv()
+        if msg[0] == "failed":
+            self.process.join(10)
+            raise EngineCoreStartError(msg[1])
         if msg[0] != "ready":
             raise EngineCoreDeadError(f"the engine core failed to start: {msg[-1]}")
         # every send goes through the writer thread: a blocking send here could deadlock against
