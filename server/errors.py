@@ -19,8 +19,9 @@ class APIError(tornado.web.HTTPError):
     """Raised anywhere in a handler, it becomes the response (BaseHandler.write_error)."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None) -> None:
+                 type: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(int(status), reason=HTTPStatus(int(status)).phrase)
+        self.headers = headers or {}  # sent with the error (Retry-After on a 503)
         self.status = int(status)
         self.message = message
         self.param = param

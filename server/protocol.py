@@ -21,6 +21,19 @@ from kiln.server.structured_request import check_tools, parse_tool_choice, respo
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 5 (completions) and 20 (chat)
 
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (build.py serve's --max-* flags; issue 42 "Limits"). Past a
+    limit is a 400 naming the field; past max_waiting_requests (sequences queued beyond what the
+    engine runs at once, --max-num-seqs) a 503 with Retry-After."""
+    max_n: int = 128  # OpenAI's own cap on n
+    max_logprobs: int = MAX_LOGPROBS  # logprobs, top_logprobs, prompt_logprobs (vLLM's --max-logprobs)
+    max_stop_strings: int = 16  # every stop string is matched against every new token's text
+    max_stop_string_chars: int = 512
+    max_messages: int = 4096
+    max_waiting_requests: int = 1024
+
 # Sampling fields shared by both endpoints: name -> kind (see check_field).
 SAMPLING_FIELDS = {
     "temperature": "number", "top_p": "number", "top_k": "int", "min_p": "number",
@@ -159,31 +172,32 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any], limits: RequestLimits = RequestLimits()) -> CompletionRequest:
     if body.get("suffix") is not None:
         raise bad_request("suffix is not supported.", "suffix")
     prompts = _prompts(body)
-    base = _base_fields(body, max_tokens_names=("max_tokens",), default_add_special_tokens=True)
+    base = _base_fields(body, limits, max_tokens_names=("max_tokens",), default_add_special_tokens=True)
     logprobs = check_field(body, "logprobs", "int")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}.", "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
+        raise bad_request(f"logprobs must be between 0 and {limits.max_logprobs}, got {logprobs}.", "logprobs")
     best_of = check_field(body, "best_of", "int")
     if best_of is not None and best_of != base["sampling"].get("n", 1):
         raise bad_request("best_of other than n is not supported.", "best_of")
     return CompletionRequest(**base, prompts=prompts, logprobs=logprobs)
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    messages = _messages(body)
-    base = _base_fields(body, max_tokens_names=("max_completion_tokens", "max_tokens"),
+def parse_chat_request(body: dict[str, Any], limits: RequestLimits = RequestLimits()) -> ChatCompletionRequest:
+    messages = _messages(body, limits)
+    base = _base_fields(body, limits, max_tokens_names=("max_completion_tokens", "max_tokens"),
                         default_add_special_tokens=False)
     logprobs = bool(check_field(body, "logprobs", "bool"))
     top = check_field(body, "top_logprobs", "int")
     if top is not None:
         if not logprobs:  # vLLM check_logprobs
             raise bad_request("when using top_logprobs, logprobs must be set to true.", "top_logprobs")
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}.", "top_logprobs")
+        if not 0 <= top <= limits.max_logprobs:
+            raise bad_request(f"top_logprobs must be between 0 and {limits.max_logprobs}, got {top}.",
+                              "top_logprobs")
     if body.get("chat_template") is not None:
         raise bad_request("chat_template in a request is not accepted; start the server with --chat-template.",
                           "chat_template")
@@ -208,7 +222,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         tools=tools, documents=check_field(body, "documents", "list"), tool_choice=tool_choice)
 
 
-def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_special_tokens: bool) -> dict:
+def _base_fields(body: dict, limits: RequestLimits, *, max_tokens_names: tuple[str, ...],
+                 default_add_special_tokens: bool) -> dict:
     model = check_field(body, "model", "str")
     stream = bool(check_field(body, "stream", "bool"))
     opts = check_field(body, "stream_options", "object")
@@ -219,6 +234,7 @@ def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_s
                                    bool(check_field(opts, "continuous_usage_stats", "bool",
                                                "stream_options.continuous_usage_stats")))
     sampling = {k: v for k in SAMPLING_FIELDS if (v := check_field(body, k, SAMPLING_FIELDS[k])) is not None}
+    _check_limits(sampling, limits)
     max_tokens, max_tokens_param = None, max_tokens_names[-1]
     for name in max_tokens_names:  # the first set wins: max_completion_tokens over max_tokens
         if (v := check_field(body, name, "int")) is not None:
@@ -229,8 +245,8 @@ def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_s
     prompt_logprobs = check_field(body, "prompt_logprobs", "int")
     # -1 (the whole vocabulary at every prompt position) is refused as vLLM refuses it past its
     # max_logprobs cap of 20: it made 79-413 MB bodies (issue 42 #9)
-    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {prompt_logprobs}.",
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= limits.max_logprobs:
+        raise bad_request(f"prompt_logprobs must be between 0 and {limits.max_logprobs}, got {prompt_logprobs}.",
                           "prompt_logprobs")
     add_special = check_field(body, "add_special_tokens", "bool")
     return dict(
@@ -241,6 +257,20 @@ def _base_fields(body: dict, *, max_tokens_names: tuple[str, ...], default_add_s
         return_tokens_as_token_ids=bool(check_field(body, "return_tokens_as_token_ids", "bool")),
         return_token_ids=bool(check_field(body, "return_token_ids", "bool")), prompt_logprobs=prompt_logprobs,
         structured=structured_kwargs(body))
+
+
+def _check_limits(sampling: dict, limits: RequestLimits) -> None:
+    n = sampling.get("n")
+    if n is not None and n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n}, got {n}.", "n")
+    stop = sampling.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(f"stop may hold at most {limits.max_stop_strings} strings, got {len(stops)}.", "stop")
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise bad_request(f"each stop string may be at most {limits.max_stop_string_chars} characters long, got "
+                          f"{longest}.", "stop")
 
 
 def _prompts(body: dict) -> list:
@@ -260,12 +290,15 @@ def _prompts(body: dict) -> list:
                       "or a list of lists of token ids, and not empty.", "prompt")
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, limits: RequestLimits) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
         raise bad_request("messages is required.", "messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages must be a non-empty list of message objects.", "messages")
+    if len(msgs) > limits.max_messages:
+        raise bad_request(f"messages may hold at most {limits.max_messages} messages, got {len(msgs)}.",
+                          "messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

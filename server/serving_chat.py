@@ -27,7 +27,7 @@ _RESERVED = {"template", "messages", "add_generation_prompt", "continue_final_me
 
 class ChatCompletionHandler(OpenAIServingHandler):
     async def post(self) -> None:
-        req = parse_chat_request(await self.read_json())
+        req = parse_chat_request(await self.read_json(), self.state.config.limits)
         self.check_request(req)
         prompt = await self.state.run_sized(self._body_size, render_prompt, self.state, req)
         plan = plan_chat_output(self.state, req, prompt)

@@ -26,7 +26,7 @@ class _Prompt:
 
 class CompletionHandler(OpenAIServingHandler):
     async def post(self) -> None:
-        req = parse_completion_request(await self.read_json())
+        req = parse_completion_request(await self.read_json(), self.state.config.limits)
         self.check_request(req)
         prompts = [_Prompt(p if isinstance(p, str) else None, await self.tokenize(p, req.add_special_tokens, "prompt"))
                    for p in req.prompts]

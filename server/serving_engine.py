@@ -159,6 +159,7 @@ class OpenAIServingHandler(BaseHandler):
                      ) -> list[RequestOutputCollector]:
         """Queue one engine request per prompt; a disconnect from here on aborts them all."""
         engine = self.state.engine
+        self._admit(sum(sp.n for sp in params), "prompt" if len(prompts) > 1 else "n")
         self._request_ids = list(request_ids)
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         collectors = []
@@ -171,6 +172,33 @@ class OpenAIServingHandler(BaseHandler):
         # Registered once all are queued: a client gone already (or while queueing) aborts them now.
         self.on_close(lambda: engine.abort_nowait(self._request_ids))
         return collectors
+
+    def _admit(self, seqs: int, param: str) -> None:
+        """Count this request's sequences in, or refuse it: past --max-num-seqs running plus
+        --max-waiting-requests waiting a 503 with Retry-After (the engine's queue stays bounded);
+        one that could never fit a 400."""
+        state = self.state
+        running = getattr(state.engine.args, "max_num_seqs", 256)
+        bound = running + state.config.limits.max_waiting_requests
+        if seqs > bound:
+            raise bad_request(f"This request runs {seqs} sequences (prompts x n); the server takes at most {bound} "
+                              "at once.", param)
+        if state.admitted + seqs > bound:
+            raise APIError(503, f"The server is at its limit of {bound} sequences running or waiting; retry shortly.",
+                           code="server_overloaded", headers={"Retry-After": "1"})
+        state.admitted += seqs
+        self._admitted = seqs
+
+    def _release(self) -> None:
+        seqs, self._admitted = getattr(self, "_admitted", 0), 0
+        self.state.admitted -= seqs
+
+    def on_finish(self) -> None:
+        self._release()
+
+    def on_connection_close(self) -> None:
+        self._release()
+        super().on_connection_close()
 
     async def outputs(self, collectors: list[RequestOutputCollector]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they come, from every collector, until all finish.

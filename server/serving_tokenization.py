@@ -19,7 +19,7 @@ class TokenizeHandler(OpenAIServingHandler):
         if engine.tokenizer is None:
             raise bad_request("This model was loaded without a tokenizer.")
         if "messages" in body:
-            req = parse_chat_request({**body, "stream": False})
+            req = parse_chat_request({**body, "stream": False}, self.state.config.limits)
             self.check_request(req)
             text = await self.state.run_sized(self._body_size, render_prompt, self.state, req)
             ids = await self._encode(text, req.add_special_tokens)

@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from kiln.server.protocol import RequestLimits
+
 # Inputs past this many bytes are parsed, rendered and tokenized on the app's worker threads
 # (issue 42 #10: a 10 MB prompt froze every other client for 8-10 s); smaller ones inline, where
 # the thread hop would cost more than the work.
@@ -29,6 +31,7 @@ class ServerConfig:
     reasoning_parser: Optional[str] = None  # server/reasoning: splits <think> into reasoning_content
     tool_call_parser: Optional[str] = None  # server/tool_parsers: reads tool calls out of the output
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    limits: RequestLimits = RequestLimits()  # what one request may ask, how many may wait (--max-* flags)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     # parsing, chat rendering and tokenization of large inputs (threads start on first use)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kiln-server-input"))
+    admitted: int = 0  # engine sequences of the requests in flight (the waiting bound counts these)
 
     async def run_sized(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), on a worker thread when the input is larger than OFF_LOOP_BYTES."""
