@@ -8,6 +8,7 @@ runs in its own process (config and tokenizer, no weights).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -23,7 +24,8 @@ from kiln.models.fp8_weights import check_weight_dtypes
 from kiln.models.gguf_quant import load_report, without_blocks
 from kiln.models.registry import get_graph_builder
 from kiln.models.source import ModelSource, open_model, read_hf_config
-from kiln.passes.pipeline import run_pipeline
+from kiln.passes.pipeline import default_passes, run_pipeline
+from kiln.passes.shard_tensor_parallel import ShardTensorParallel, TensorParallelDims, TensorParallelError
 from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.runtime.worker.cpu_executor import CpuExecutor
 
@@ -99,7 +101,8 @@ def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 
 def build_graph(cfg: ModelConfig, *, target: str, block_size: int = 16, kv_cache_dtype: str = "auto",
-                dump_dir: str | Path | None = None, gguf_blocks: bool = False) -> Graph:
+                dump_dir: str | Path | None = None, gguf_blocks: bool = False,
+                tensor_parallel: tuple[int, int] = (1, 0)) -> Graph:
     """The model's graph for a target (f32 on cpu, bf16 on a GPU), through the passes;
     dump_dir: write the graph after every pass there. A GGUF's linears compute in their block
     formats on the GPU targets; on cpu only with gguf_blocks (the numpy reference dequantises the
@@ -111,8 +114,12 @@ def build_graph(cfg: ModelConfig, *, target: str, block_size: int = 16, kv_cache
     dtype = DType.f32 if target == "cpu" else DType.bf16
     if target == "cpu" and not gguf_blocks:
         cfg = without_blocks(cfg)
+    shard = tensor_parallel_pass(cfg, *tensor_parallel)  # (size, rank): one rank's share (issue 44)
     graph = get_graph_builder(cfg.architecture)(cfg, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_dtype)
-    return run_pipeline(graph, dump_dir=dump_dir)
+    try:
+        return run_pipeline(graph, passes=default_passes(shard=shard), dump_dir=dump_dir)
+    except TensorParallelError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
@@ -309,3 +316,83 @@ def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size:
     if bundle_dir is not None:
         bundle.write(bundle_dir)
     return bundle
+
+
+# -- tensor parallelism (issue 44): one worker process per rank, each with its share of the graph --
+
+DISTRIBUTED_BACKENDS = ("mp", "ray")
+
+
+def tensor_parallel_pass(cfg: ModelConfig, size: int, rank: int) -> ShardTensorParallel | None:
+    """The sharding pass for rank `rank` of `size` (None for one rank); N that does not divide
+    the model's heads or widths is refused with one sentence."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if size == 1:
+        return None
+    dims = TensorParallelDims(
+        vocab_size=cfg.vocab_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+        linear_key_dim=cfg.linear_key_dim, linear_value_dim=cfg.linear_value_dim)
+    try:
+        shard = ShardTensorParallel(dims, size, rank)
+        shard.check()
+    except TensorParallelError as e:
+        raise ConfigError(str(e)) from None
+    return shard
+
+
+def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_size: int,
+                         distributed_executor_backend: str | None = None, target: str = "cpu",
+                         block_size: int = 16, kv_cache_tokens: int | None = 8192, tokenizer: bool = True,
+                         max_num_seqs: int = 256, kv_cache_dtype: str = "auto", num_state_snapshots: int = 0,
+                         **_gpu_only: Any) -> LoadedModel:
+    """`load` over `tensor_parallel_size` worker processes (vLLM's --tensor-parallel-size and
+    --distributed-executor-backend mp|ray): the graph here is rank 0's (the engine's view of the
+    caches), the weights live in the workers, each reading only its slices."""
+    backend = distributed_executor_backend or "mp"
+    if backend not in DISTRIBUTED_BACKENDS:
+        raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+                          f"got {backend!r}")
+    if target != "cpu":
+        raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} on {target} is not built yet (the NCCL "
+                          "lowering is designed in docs/TENSOR_PARALLEL.md): run it with --target cpu")
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("--distributed-executor-backend ray needs ray, which is not installed "
+                              "(pip install ray)") from None
+    _kv_cache_dtype(kv_cache_dtype)
+    source = open_source(model)
+    cfg = source.config
+    graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                        tensor_parallel=(tensor_parallel_size, 0))
+    make = functools.partial(_tensor_parallel_worker, str(source.path), tensor_parallel_size, target=target,
+                             block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                             num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
+                             num_state_slots=max_num_seqs + num_state_snapshots + 1)
+    if backend == "ray":
+        from kiln.runtime.worker.ray_executor import RayExecutor
+
+        executor = RayExecutor(make, tensor_parallel_size)
+    else:
+        from kiln.runtime.worker.multiproc_executor import MultiprocExecutor
+
+        executor = MultiprocExecutor(make, tensor_parallel_size)
+    return LoadedModel(source, graph, executor, load_tokenizer(source) if tokenizer else None, block_size)
+
+
+def _tensor_parallel_worker(path: str, size: int, rank: int, comm, *, target: str, block_size: int,
+                            kv_cache_dtype: str, num_blocks: int, num_state_slots: int):
+    """In a worker process: rank `rank`'s graph and executor, its weights read as slices
+    (models/tp_weights.py). The numpy executor: the compiled CPU target has no collectives."""
+    from kiln.models.tp_weights import ShardedWeights
+
+    source = open_model(path)
+    graph = build_graph(source.config, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                        tensor_parallel=(size, rank))
+    weights = ShardedWeights(source.weights, graph.attrs["tp_slices"])
+    return CpuExecutor(graph, weights.get, num_blocks=num_blocks, num_state_slots=num_state_slots, comm=comm)

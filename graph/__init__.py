@@ -8,4 +8,5 @@ from kiln.graph import moe_ops  # noqa: F401,E402  (registers the mixture-of-exp
 from kiln.graph import fp8_ops  # noqa: F401,E402  (registers the FP8 W8A8 ops into OPS)
 from kiln.graph import gguf_ops  # noqa: F401,E402  (registers linear_gguf, GGUF blocks computed in, into OPS)
 from kiln.graph import nvfp4_ops  # noqa: F401,E402  (registers the NVFP4 W4A16 linear into OPS)
+from kiln.graph import collective_ops  # noqa: F401,E402  (registers the tensor-parallel ops into OPS)
 from kiln.graph.tensor import Dim, Tensor, TensorKind  # noqa: F401

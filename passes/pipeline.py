@@ -12,6 +12,7 @@ from kiln.graph import Graph
 from kiln.passes.base import Pass
 from kiln.passes.eliminate_dead_code import EliminateDeadCode
 from kiln.passes.fold_gdn_gates import FoldGdnGates
+from kiln.passes.fold_gdn_norm import FoldGdnNorm
 from kiln.passes.fuse_conv_silu import FuseConvSilu
 from kiln.passes.fuse_add_rmsnorm import FuseAddRmsNorm
 from kiln.passes.fold_cast_into_linear import FoldCastIntoLinear
@@ -26,12 +27,16 @@ from kiln.passes.merge_parallel_linears import MergeParallelLinears
 from kiln.passes.sink_logits_gather import SinkLogitsGather
 
 
-def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope: bool = True) -> list[Pass]:
-    """fuse_silu=False keeps the MLP's silu_mul a launch of its own after the gate/up GEMM
+def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope: bool = True,
+                   shard: Pass | None = None) -> list[Pass]:
+    """shard: a tensor-parallel rank's ShardTensorParallel (passes/shard_tensor_parallel.py), first:
+    the fusions then see the rank's widths;
+    fuse_silu=False keeps the MLP's silu_mul a launch of its own after the gate/up GEMM
     (the graph before passes/fuse_gate_up_silu.py, for A/B: bench/gpu_shape_decode.py --fuse-silu);
     fuse_residual=False keeps the residual add in the norm's launch (passes/fuse_residual_into_linear.py);
     fuse_rope=False keeps the attention preamble a launch of its own (passes/fuse_rope_into_linear.py)."""
     return [
+        *([shard] if shard is not None else []),
         EliminateDeadCode(),
         SinkLogitsGather(),
         MergeParallelLinears(),
@@ -45,6 +50,7 @@ def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope
         *([FuseRopeIntoLinear()] if fuse_rope else []),
         FuseConvSilu(),
         FoldGdnGates(),
+        FoldGdnNorm(),
         FoldCastIntoLinear(),
         EliminateDeadCode(),
     ]

@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln.errors import InvalidModelError
 from kiln.graph import Graph, TensorKind, to_numpy
+from kiln.graph.collective_ops import COLLECTIVE_OPS
 from kiln.graph.layout import stack_parts
 from kiln.graph.op import run_reference
 
@@ -20,11 +21,14 @@ WeightLoader = Callable[[str], np.ndarray]
 
 
 class CpuExecutor:
-    def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0) -> None:
+    def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0,
+                 comm=None) -> None:
         """num_state_slots: a hybrid model's per-request state slots (the `NS` dim of its
-        Gated DeltaNet states; 0 for a graph without them)."""
+        Gated DeltaNet states; 0 for a graph without them). comm: a tensor-parallel rank's
+        communicator (runtime/worker/shm_communicator.py), which runs the graph's collectives."""
         graph.verify()
         self.graph = graph
+        self.comm = comm
         self.order = graph.topo_order()
         self.num_blocks = num_blocks
         self.num_state_slots = num_state_slots if any("NS" in t.shape for t in graph.states) else 0
@@ -82,7 +86,11 @@ class CpuExecutor:
             args = [env[t] if t else None for t in node.inputs]
             while args and args[-1] is None:
                 args.pop()
-            outs = run_reference(opdef, args, node.attrs)
+            if node.op in COLLECTIVE_OPS and self.comm is not None:
+                outs = (self.comm.all_reduce(args[0]) if node.op == "all_reduce"
+                        else self.comm.all_gather(args[0], node.attrs["size"]),)
+            else:
+                outs = run_reference(opdef, args, node.attrs)
             for name, arr in zip(node.outputs, outs):
                 env[name] = arr
             for dead in self._last_use.get(node.name, ()):
