@@ -62,6 +62,8 @@ def check_weight_dtypes(graph: Graph, weights: WeightSource) -> None:
             if name not in weights:
                 continue  # named when loaded (the weight source's own sentence)
             stored = stored_dtype(name)
+            if stored is None:  # a tensor whose source keeps no dtype (GGUF blocks, derived): its loader checks it
+                continue
             if t.dtype == DType.fp8e4m3 and stored != _E4M3:
                 raise InvalidModelError(
                     f"weight {name!r} is stored as {stored}, but the checkpoint's quantization_config "
@@ -72,8 +74,6 @@ def check_weight_dtypes(graph: Graph, weights: WeightSource) -> None:
                 raise InvalidModelError(
                     f"weight {name!r} is stored as {stored}, but {why}, so kiln has no scale to read it with")
             # NVFP4 (models/nvfp4_linear.py): packed e2m1 pairs are uint8, and uint8 is nothing else
-            if stored is None:  # a source that keeps no dtypes (GGUF blocks): its own loader checks them
-                continue
             if t.dtype == DType.u8 and stored != _U8:
                 raise InvalidModelError(
                     f"weight {name!r} is stored as {stored}, but the checkpoint's quantization_config says it "

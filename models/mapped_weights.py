@@ -20,6 +20,13 @@ class MappedWeights(WeightSource):
         self.inner, self._rename, self._derived = inner, rename, derived
         self.metadata = getattr(inner, "metadata", None)
 
+    def dtype(self, name: str) -> np.dtype | None:
+        """A renamed tensor's stored dtype (models/fp8_weights.py checks quantised ones); None for
+        a derived one or an inner source that keeps none."""
+        self._check(name)
+        inner = getattr(self.inner, "dtype", None)
+        return inner(self._rename[name]) if inner is not None and name in self._rename else None
+
     def _load(self, name: str, keep_dtype: bool) -> np.ndarray:
         if name in self._derived:
             return self._derived[name][1](lambda src: self.inner.get(src, keep_dtype=keep_dtype))

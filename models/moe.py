@@ -15,8 +15,10 @@ models/moe_weights.py builds them from per-expert or GGUF tensors at load.
 """
 from __future__ import annotations
 
+from kiln.errors import UnsupportedQuantizationError
 from kiln.graph import DType, Graph, Tensor
 from kiln.models.config import ModelConfig
+from kiln.models.nvfp4_linear import linear_or_nvfp4
 
 GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H]: each expert's gate rows, then its up rows
 DOWN = "mlp.experts.down_proj"  # [E, H, I]
@@ -26,9 +28,15 @@ def _linear(g: Graph, x: Tensor, name: str, n_out: int, n_in: int, dtype: DType,
     return g.call1("linear", x, g.weight(name, dtype, (n_out, n_in)), name=node)
 
 
-def dense_mlp(g: Graph, x: Tensor, p: str, n: str, width: int, hidden: int, dtype: DType) -> Tensor:
+def dense_mlp(g: Graph, x: Tensor, p: str, n: str, width: int, hidden: int, dtype: DType, quant=None) -> Tensor:
     """down(silu(gate(x)) * up(x)) with weights {p}.gate_proj/up_proj [width, H], down_proj [H, width]
-    (node names {n}.gate_proj, ... as the dense decoders name theirs)."""
+    (node names {n}.gate_proj, ... as the dense decoders name theirs); quant: a ModelOpt NVFP4
+    checkpoint's config (models/nvfp4_linear.py), None for plain weights."""
+    if quant is not None:
+        gate = linear_or_nvfp4(g, quant, x, f"{p}.gate_proj", width, hidden, dtype, False, f"{n}.gate_proj")
+        up = linear_or_nvfp4(g, quant, x, f"{p}.up_proj", width, hidden, dtype, False, f"{n}.up_proj")
+        act = g.call1("mul", g.call1("silu", gate, name=f"{n}.silu"), up, name=f"{n}.act")
+        return linear_or_nvfp4(g, quant, act, f"{p}.down_proj", hidden, width, dtype, False, f"{n}.down_proj")
     gate = _linear(g, x, f"{p}.gate_proj.weight", width, hidden, dtype, f"{n}.gate_proj")
     up = _linear(g, x, f"{p}.up_proj.weight", width, hidden, dtype, f"{n}.up_proj")
     act = g.call1("mul", g.call1("silu", gate, name=f"{n}.silu"), up, name=f"{n}.act")
@@ -60,5 +68,9 @@ def mlp(g: Graph, cfg: ModelConfig, i: int, x: Tensor, dtype: DType) -> Tensor:
     else the dense one of intermediate_size."""
     p, n = f"model.layers.{i}", f"layers.{i}"
     if cfg.layer_is_moe(i):
+        if cfg.quantization is not None and cfg.quantization.weight != "gguf":
+            raise UnsupportedQuantizationError(f"{cfg.quantization.method} quantised MoE layers ({p}.mlp) are not "
+                                               f"supported by kiln")
         return moe_block(g, cfg, p, n, x, dtype)
-    return dense_mlp(g, x, f"{p}.mlp", n, cfg.intermediate_size, cfg.hidden_size, dtype)
+    nvfp4 = cfg.quantization if getattr(cfg.quantization, "weight", None) == "nvfp4" else None
+    return dense_mlp(g, x, f"{p}.mlp", n, cfg.intermediate_size, cfg.hidden_size, dtype, quant=nvfp4)

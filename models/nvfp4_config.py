@@ -43,10 +43,16 @@ class Nvfp4Config:
     ignore: tuple[str, ...] = ()
 
     def quantizes(self, module: str) -> bool:
-        """Whether the linear `module` (e.g. model.layers.0.mlp.up_proj) is stored in NVFP4."""
+        """Whether the linear `module` (e.g. model.layers.0.mlp.up_proj, a graph name) is stored in
+        NVFP4. exclude_modules names the file's modules, and a Qwen3.5 ...ForConditionalGeneration
+        file holds the text tower as model.language_model.* (models/qwen3_5.py adapt_weights), so
+        that name is tried too."""
         from kiln.models.quant_config import _matches
 
-        return not any(_matches(module, p) for p in self.ignore)
+        names = [module]
+        if module.startswith("model."):
+            names.append("model.language_model." + module[len("model."):])
+        return not any(_matches(n, p) for n in names for p in self.ignore)
 
 
 def parse_modelopt_nvfp4(q: Mapping, source: str) -> Nvfp4Config:

@@ -33,3 +33,13 @@ def project_nvfp4(g: Graph, quant: Nvfp4Config, x: Tensor, specs, n_in: int, dty
         ws2 = g.weight(f"{prefix}.weight_scale_2", DType.f32, (1,))
         outs.append(g.call1("linear_nvfp4", x, w, ws, ws2, *b, group=group, name=name))
     return outs
+
+
+def linear_or_nvfp4(g: Graph, quant: Nvfp4Config | None, x: Tensor, prefix: str, n_out: int, n_in: int,
+                    dtype: DType, bias: bool, name: str) -> Tensor:
+    """One linear [T, n_in] -> [T, n_out]: NVFP4 where the checkpoint's config quantises `prefix`,
+    else plain (the hybrid builder's linears, models/qwen3_5.py, and the dense MLP of models/moe.py)."""
+    if quant is None:
+        b = [g.weight(f"{prefix}.bias", dtype, (n_out,))] if bias else []
+        return g.call1("linear", x, g.weight(f"{prefix}.weight", dtype, (n_out, n_in)), *b, name=name)
+    return project_nvfp4(g, quant, x, [(prefix, n_out, name)], n_in, dtype, bias)[0]

@@ -29,6 +29,9 @@ from kiln.models.nvfp4_config import Nvfp4Config, parse_modelopt_nvfp4
 # The decoder architectures whose graph builders emit FP8 linears (models/fp8_linear.py);
 # any other architecture with a quantization_config is refused, not run in bf16.
 FP8_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# NVFP4 (W4A16, models/nvfp4_linear.py) also runs the dense Qwen3.5 hybrids (models/qwen3_5.py); not
+# Qwen3-Next, whose interleaved GDN projections are rearranged at load, nor any MoE
+NVFP4_ARCHITECTURES = FP8_ARCHITECTURES + ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 # The smallest activation scale, as vLLM's references clamp it (tests/kernels/quant_utils.py):
@@ -87,11 +90,11 @@ def parse_quantization(qc: Any, arch: str, source: str) -> Fp8Config | Nvfp4Conf
         cfg = _modelopt(qc, source)
     else:
         raise UnsupportedQuantizationError(f"{source}: quantization method {method!r} is not supported by kiln")
-    if arch not in FP8_ARCHITECTURES:
-        fmt = "NVFP4" if cfg.weight == "nvfp4" else "FP8"
+    fmt, archs = ("NVFP4", NVFP4_ARCHITECTURES) if cfg.weight == "nvfp4" else ("FP8", FP8_ARCHITECTURES)
+    if arch not in archs:
         raise UnsupportedQuantizationError(
             f"{source}: {method} {fmt} checkpoints of {arch} are not supported by kiln yet "
-            f"({fmt} runs for {', '.join(FP8_ARCHITECTURES)})")
+            f"({fmt} runs for {', '.join(archs)})")
     return cfg
 
 

@@ -26,8 +26,9 @@ from kiln.errors import InvalidModelError
 from kiln.graph import OPS, DType, Graph, Tensor
 from kiln.models import moe
 from kiln.models.config import ModelConfig
-from kiln.models.llama import STEP_INPUTS, _linear
+from kiln.models.llama import STEP_INPUTS
 from kiln.models.mapped_weights import MappedWeights
+from kiln.models.nvfp4_linear import linear_or_nvfp4
 from kiln.models.moe_weights import expert_weights
 from kiln.models.weights import WeightSource
 
@@ -70,18 +71,24 @@ def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int =
     return g
 
 
+def _linear(g: Graph, cfg: ModelConfig, x: Tensor, prefix: str, n_out: int, n_in: int, dtype: DType, bias: bool,
+            name: str) -> Tensor:
+    """A plain linear, or NVFP4 where a ModelOpt NVFP4 checkpoint quantises it (models/nvfp4_linear.py)."""
+    return linear_or_nvfp4(g, cfg.quantization, x, prefix, n_out, n_in, dtype, bias, name)
+
+
 def _gated_attention(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tensor, inp: dict, dtype: DType,
                      kv_dtype: DType, block_size: int) -> Tensor:
     """Spec 5: q_proj gives per head [query (D) | gate (D)]; (1 + w) q/k norms before a partial
     NeoX rope; the attention output times sigmoid(gate), then o_proj."""
     H, nh, nkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps, off, ab = cfg.rms_norm_eps, cfg.norm_offset, cfg.attention_bias
-    qg = _linear(g, x, f"{p}.self_attn.q_proj", nh * 2 * D, H, dtype, ab, f"{n}.q_proj")
+    qg = _linear(g, cfg, x, f"{p}.self_attn.q_proj", nh * 2 * D, H, dtype, ab, f"{n}.q_proj")
     qg = g.call1("reshape", qg, shape=("T", nh, 2 * D), name=f"{n}.qg_heads")
     q = g.call1("slice_cols", qg, start=0, stop=D, name=f"{n}.q_heads")
     gate = g.call1("slice_cols", qg, start=D, stop=2 * D, name=f"{n}.gate_heads")
-    k = _linear(g, x, f"{p}.self_attn.k_proj", nkv * D, H, dtype, ab, f"{n}.k_proj")
-    v = _linear(g, x, f"{p}.self_attn.v_proj", nkv * D, H, dtype, ab, f"{n}.v_proj")
+    k = _linear(g, cfg, x, f"{p}.self_attn.k_proj", nkv * D, H, dtype, ab, f"{n}.k_proj")
+    v = _linear(g, cfg, x, f"{p}.self_attn.v_proj", nkv * D, H, dtype, ab, f"{n}.v_proj")
     k = g.call1("reshape", k, shape=("T", nkv, D), name=f"{n}.k_heads")
     v = g.call1("reshape", v, shape=("T", nkv, D), name=f"{n}.v_heads")
     q = g.call1("rms_norm", q, g.weight(f"{p}.self_attn.q_norm.weight", dtype, (D,)), eps=eps, offset=off,
@@ -98,7 +105,7 @@ def _gated_attention(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tens
                 scale=D ** -0.5, name=f"{n}.attn")
     a = g.call1("sigmoid_mul", a, gate, name=f"{n}.attn_gate")
     a = g.call1("reshape", a, shape=("T", nh * D), name=f"{n}.attn_flat")
-    return _linear(g, a, f"{p}.self_attn.o_proj", H, nh * D, dtype, ab, f"{n}.o_proj")
+    return _linear(g, cfg, a, f"{p}.self_attn.o_proj", H, nh * D, dtype, ab, f"{n}.o_proj")
 
 
 def _gated_deltanet(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tensor, inp: dict,
@@ -110,10 +117,10 @@ def _gated_deltanet(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tenso
                       cfg.linear_value_head_dim)
     kd, vd, cd, kc = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
     la = f"{p}.linear_attn"
-    qkv = _linear(g, x, f"{la}.in_proj_qkv", cd, H, dtype, False, f"{n}.in_proj_qkv")
-    z = _linear(g, x, f"{la}.in_proj_z", vd, H, dtype, False, f"{n}.in_proj_z")
-    b = _linear(g, x, f"{la}.in_proj_b", hv, H, dtype, False, f"{n}.in_proj_b")
-    a = _linear(g, x, f"{la}.in_proj_a", hv, H, dtype, False, f"{n}.in_proj_a")
+    qkv = _linear(g, cfg, x, f"{la}.in_proj_qkv", cd, H, dtype, False, f"{n}.in_proj_qkv")
+    z = _linear(g, cfg, x, f"{la}.in_proj_z", vd, H, dtype, False, f"{n}.in_proj_z")
+    b = _linear(g, cfg, x, f"{la}.in_proj_b", hv, H, dtype, False, f"{n}.in_proj_b")
+    a = _linear(g, cfg, x, f"{la}.in_proj_a", hv, H, dtype, False, f"{n}.in_proj_a")
     conv_state = g.state(f"gdn_conv.{i}", dtype, ("NS", cd, kc - 1))
     xc, _ = g.call("causal_conv1d", [qkv, conv_state, g.weight(f"{la}.conv1d.weight", dtype, (cd, 1, kc)),
                                      inp["seq_lens"], inp["query_start_loc"], inp["state_slots"]],
@@ -136,7 +143,7 @@ def _gated_deltanet(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tenso
     z = g.call1("reshape", z, shape=("T", hv, dv), name=f"{n}.z_heads")
     o = g.call1("gated_rms_norm", o, z, g.weight(f"{la}.norm.weight", dtype, (dv,)), eps=eps, name=f"{n}.out_norm")
     o = g.call1("reshape", o, shape=("T", vd), name=f"{n}.out_flat")
-    return _linear(g, o, f"{la}.out_proj", H, vd, dtype, False, f"{n}.out_proj")
+    return _linear(g, cfg, o, f"{la}.out_proj", H, vd, dtype, False, f"{n}.out_proj")
 
 
 # -- weights: the names of each checkpoint layout -> the graph's (Qwen3_5ForCausalLM's) --------

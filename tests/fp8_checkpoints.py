@@ -118,12 +118,13 @@ def make_fp8_checkpoint(out_dir: Path, variant: str, layout: str, *, block=(16, 
     return model
 
 
-def _calibrate(model, prompts) -> dict[str, float]:
+def _calibrate(model, prompts, linears=LINEARS) -> dict[str, float]:
     """Max |input| of every decoder linear over the calibration prompts (ModelOpt's max calibrator)."""
     amax: dict[str, float] = {}
     hooks = []
     for name, mod in model.named_modules():
-        if name.split(".", 3)[-1] in LINEARS:
+        parts = name.split(".")
+        if ".".join(parts[parts.index("layers") + 2:] if "layers" in parts else parts) in linears:
             def hook(m, args, name=name):
                 amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
             hooks.append(mod.register_forward_pre_hook(hook))

@@ -25,7 +25,11 @@ import torch
 from safetensors.numpy import save_file
 
 from tests.fp8_checkpoints import LINEARS, _calibrate
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import HYBRID_VARIANTS, make_tiny_hybrid, make_tiny_model
+
+# the Gated DeltaNet projections of a Qwen3.5 hybrid: Linear modules too, so ModelOpt quantises them
+GDN_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+               "linear_attn.in_proj_a", "linear_attn.out_proj")
 
 E2M1 = ml_dtypes.float4_e2m1fn
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -63,14 +67,17 @@ def make_nvfp4_checkpoint(out_dir: Path, variant: str, *, exclude=(), config_jso
     """Write variant's tiny model as a ModelOpt NVFP4 checkpoint under out_dir (hf_quant_config.json
     beside config.json, or with config_json the flat quantization_config inside config.json);
     exclude: modules left bf16 and listed in exclude_modules. Returns the f32 W4A16 oracle."""
-    model = make_tiny_model(out_dir, variant, seed=seed, dtype=torch.float32)
+    if variant in HYBRID_VARIANTS:
+        model = make_tiny_hybrid(out_dir, variant, seed=seed)
+    else:
+        model = make_tiny_model(out_dir, variant, seed=seed, dtype=torch.float32)
     cfg = json.loads((out_dir / "config.json").read_text())
-    amax = _calibrate(model, calib_prompts)
+    amax = _calibrate(model, calib_prompts, LINEARS + GDN_LINEARS)
     out: dict[str, np.ndarray] = {}
     deq: dict[str, torch.Tensor] = {}
     for name, w in ((k, v.detach().numpy()) for k, v in model.state_dict().items()):
         module = name.rsplit(".", 1)[0]
-        if not (name.endswith(".weight") and module.split(".", 3)[-1] in LINEARS) or module in exclude:
+        if not (name.endswith(".weight") and _leaf(module) in LINEARS + GDN_LINEARS) or _excluded(module, exclude):
             out[name] = w.astype(ml_dtypes.bfloat16)
             deq[name] = torch.from_numpy(out[name].astype(np.float32))
             continue
@@ -92,3 +99,16 @@ def make_nvfp4_checkpoint(out_dir: Path, variant: str, *, exclude=(), config_jso
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     model.load_state_dict(deq, strict=False)
     return model
+
+
+def _leaf(module: str) -> str:
+    """model.layers.3.mlp.up_proj (or model.language_model.layers.3...) -> mlp.up_proj"""
+    parts = module.split(".")
+    return ".".join(parts[parts.index("layers") + 2:]) if "layers" in parts else module
+
+
+def _excluded(module: str, exclude) -> bool:
+    """ModelOpt's exclude_modules: names or shell wildcards."""
+    import fnmatch
+
+    return any(module == p or fnmatch.fnmatchcase(module, p) for p in exclude)
