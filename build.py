@@ -19,7 +19,8 @@ from pathlib import Path
 # `python build.py` runs from the repository root, which `pip install -e .` maps to the package kiln.
 from kiln.errors import ConfigError, KilnError
 from kiln.loader import GPU_TARGETS
-from kiln.server.cli_args import HelpFormatter, add_kv_cache_dtype_argument, add_serve_arguments
+from kiln.server.cli_args import (HelpFormatter, add_kv_cache_dtype_argument, add_parallel_arguments,
+                                  add_serve_arguments)
 
 try:  # bench/ is in the repository checkout beside this file, not in an installed wheel
     from kiln.bench.cli import add_bench_arguments
@@ -40,13 +41,18 @@ def progress_bar(desc: str, total: int):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Greedy generation from one prompt, through the loader's executor (no engine)."""
-    from kiln.loader import load
+    from kiln.loader import load, load_tensor_parallel
     from kiln.runtime.text.chat_template import render_chat
     from kiln.runtime.worker.generate import greedy_generate
 
     t0 = time.perf_counter()
-    lm = load(args.model, target=args.target, bundle_dir=args.bundle,
-              kv_cache_tokens=max(4096, args.max_tokens + 4096), kv_cache_dtype=args.kv_cache_dtype)
+    kw = dict(target=args.target, bundle_dir=args.bundle, kv_cache_tokens=max(4096, args.max_tokens + 4096),
+              kv_cache_dtype=args.kv_cache_dtype)
+    if args.tensor_parallel_size > 1 or args.distributed_executor_backend == "ray":  # worker processes (issue 44)
+        lm = load_tensor_parallel(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                                  distributed_executor_backend=args.distributed_executor_backend, **kw)
+    else:
+        lm = load(args.model, **kw)
     tok = lm.tokenizer
     if args.chat:
         if not tok.chat_template:
@@ -217,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu (numpy), or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")
     g.add_argument("--bundle", help=BUNDLE_HELP)
     add_kv_cache_dtype_argument(g)
+    add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     c = command("compile", "compile a model to a bundle for a target (no GPU needed)")

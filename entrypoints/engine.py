@@ -8,7 +8,7 @@ import gc
 from typing import Any
 
 from kiln.entrypoints.engine_args import EngineArgs
-from kiln.loader import context_length, load, load_frontend
+from kiln.loader import context_length, load, load_frontend, load_tensor_parallel
 from kiln.runtime.core.kv_cache_spec import full_attention_config, hybrid_config
 from kiln.runtime.core.scheduler import Scheduler
 from kiln.runtime.core.scheduler_config import CacheConfig, SchedulerConfig
@@ -34,11 +34,16 @@ def freeze_startup_heap() -> None:
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     """-> (engine, the loaded model), both in this process."""
     kv_tokens = args.kv_cache_tokens if args.kv_cache_tokens or args.target != "cpu" else 65536
-    lm = load(args.model, target=args.target, block_size=args.block_size, kv_cache_tokens=kv_tokens,
+    kw = dict(target=args.target, block_size=args.block_size, kv_cache_tokens=kv_tokens,
               tokenizer=not args.skip_tokenizer_init, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype,
               num_state_snapshots=args.state_snapshots())
+    if args.tensor_parallel_size > 1 or args.distributed_executor_backend == "ray":
+        lm = load_tensor_parallel(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                                  distributed_executor_backend=args.distributed_executor_backend, **kw)
+    else:
+        lm = load(args.model, **kw)
     cfg = lm.source.config
     args = args.with_model_defaults(cfg)
     max_len = context_length(cfg, args.max_model_len)

@@ -38,11 +38,22 @@ class EngineArgs:
     async_scheduling: Optional[bool] = None
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" (the model's dtype), "fp8"/"fp8_e4m3"
     kv_cache_dtype: str = "auto"
+    # vLLM's --tensor-parallel-size: the model split over this many worker processes (issue 44)
+    tensor_parallel_size: int = 1
+    # vLLM's --distributed-executor-backend: "mp" (worker processes on this host; the default) or
+    # "ray" (Ray actors placed by a placement group); None: mp when tensor_parallel_size > 1
+    distributed_executor_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
         from kiln.graph.dtype import kv_cache_dtype
 
         kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ConfigError(f"distributed_executor_backend must be mp or ray, got "
+                              f"{self.distributed_executor_backend!r}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.num_state_snapshots and self.enable_prefix_caching is False:

@@ -45,6 +45,16 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
                         "scale 1.0) stores half the bytes of bf16 per token: twice the tokens, half the reads")
 
 
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's names (serve and generate): the model split over worker processes (issue 44)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
+                   help="split the model over this many worker processes (tensor parallelism: heads, MLP "
+                   "and vocabulary split, all-reduce between ranks; cpu target only so far)")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"),
+                   help="how the workers are started: mp (processes on this host) or ray (Ray actors placed by "
+                   "a placement group) (default: mp)")
+
+
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     """What one request may ask for, and how many may wait (server/protocol.py RequestLimits)."""
     from kiln.server.protocol import RequestLimits
@@ -117,11 +127,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", help="GPU bundle directory: read when it matches the model and flags, else compiled "
                    "there (default: none; compiled, or read back from the compile cache, at every start)")
     add_kv_cache_dtype_argument(p)
+    add_parallel_arguments(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, so HTTP never takes a step's time")
     p.add_argument("--max-request-body-bytes", type=_positive, default=16 << 20,
                    help="largest request body accepted; a larger one gets 413")
     add_limit_arguments(p)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are aborted "
+                   "(each ends with an error); new requests get 503 meanwhile")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one executes (vLLM's --async-scheduling; "
                    "default: on for a GPU target, off on CPU)")
@@ -164,7 +178,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
             scheduling_policy=args.scheduling_policy, kv_cache_tokens=args.kv_cache_tokens, chat_template=template,
             target=args.target, bundle_dir=args.bundle, async_scheduling=args.async_scheduling,
-            kv_cache_dtype=args.kv_cache_dtype, num_state_snapshots=args.num_state_snapshots)
+            kv_cache_dtype=args.kv_cache_dtype, num_state_snapshots=args.num_state_snapshots,
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend)
     except ValueError as e:  # a combination of flags the engine refuses, before anything loads
         raise KilnError(str(e)) from None
     config = ServerConfig(
@@ -172,5 +188,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, chat_template=template, enable_force_include_usage=args.enable_force_include_usage,
         max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, limits=limits_from_args(args))
+        enable_auto_tool_choice=args.enable_auto_tool_choice, limits=limits_from_args(args),
+        shutdown_timeout=args.shutdown_timeout)
     return run_server(engine_args, config, args.host, args.port, engine_process=args.engine_process)

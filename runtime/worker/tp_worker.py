@@ -1,0 +1,50 @@
+"""A tensor-parallel worker process: `python -m kiln.runtime.worker.tp_worker FD`
+(runtime/worker/multiproc_executor.py starts it; FD is its end of a socket to the executor).
+
+It receives ("init", make_worker, rank, shm handle), attaches to the group's shared memory,
+builds its rank's executor with make_worker(rank, communicator), says ("ready", sizes), then
+serves ("execute", inputs) / ("copy", state-slot copies) / ("stop",) until told to stop or
+until its executor goes away (EOF: it exits, so no worker outlives its engine). Any failure is
+sent back as ("error", traceback) and the worker exits; the executor then fails the engine.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+
+def serve(conn: Connection) -> int:
+    from kiln.runtime.worker.shm_communicator import ShmCommunicator
+
+    comm = None
+    try:
+        kind, make_worker, rank, handle = conn.recv()
+        comm = ShmCommunicator(handle, rank)
+        ex = make_worker(rank, comm)
+        conn.send(("ready", {"num_blocks": ex.num_blocks, "num_state_slots": ex.num_state_slots}))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "execute":
+                out = ex.execute(msg[1])
+                conn.send(("ok", out if rank == 0 else None))  # the logits come from rank 0 only
+            elif msg[0] == "copy":
+                ex.copy_state_slots(msg[1])
+                conn.send(("ok", None))
+            elif msg[0] == "stop":
+                return 0
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        return 0  # the executor went away
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc(limit=20)))
+        except OSError:
+            pass
+        return 1
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+if __name__ == "__main__":
+    sys.exit(serve(Connection(int(sys.argv[1]))))
