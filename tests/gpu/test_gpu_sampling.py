@@ -327,3 +327,40 @@ def test_grammar_bitmask_at_152k_against_numpy(gpu_target):
         sampler.sample(list(range(B)), md, bitmask=mask)
     print(f"\n[gpu sampling] masked greedy x64 at V={vocab}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms "
           f"a call (with a 39 MB upload)")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_constrained_requests_run_on_the_gpu(tmp_path_factory, gpu_target, async_scheduling):
+    """Structured output on the device path end to end (a tiny random model with a real
+    tokenizer): seeded temperature-1 requests under a regex, a JSON schema and a choice all
+    hold, beside an unconstrained request, with async scheduling off and on (on, a constrained
+    step reads the step before back before it is launched)."""
+    import json
+    import re
+
+    import jsonschema
+
+    from kiln.runtime.sample.structured_outputs import StructuredOutputsParams
+    from tests.server.tiny_chat_model import make_tiny_chat_model
+
+    d = tmp_path_factory.getbasetemp() / "gpu_constrained"
+    if not d.exists():
+        d.mkdir()
+        make_tiny_chat_model(d)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "c": {"enum": ["red", "blue"]}},
+              "required": ["n", "c"], "additionalProperties": False}
+    grammars = [StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2,4}"), StructuredOutputsParams(json=schema),
+                StructuredOutputsParams(choice=["yes", "no", "maybe"]), None]
+    llm = LLM(d, target=gpu_target, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+              kv_cache_tokens=16 * 512, bundle_dir=str(d / "bundle"), async_scheduling=async_scheduling)
+    assert llm.engine.core.runner.gpu_sampler.can_mask
+    for seed in range(3):
+        params = [SamplingParams(temperature=1.0, seed=seed * 10 + i, max_tokens=40 if g else 8,
+                                 structured_outputs=g, ignore_eos=g is None) for i, g in enumerate(grammars)]
+        outs = llm.generate(["hello", "a b c", "xyz", "free"], params)
+        texts = [o.outputs[0].text for o in outs]
+        assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", texts[0]), texts
+        jsonschema.validate(json.loads(texts[1]), schema)
+        assert texts[2] in ("yes", "no", "maybe") and len(outs[3].outputs[0].token_ids) == 8
+        assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outs)
