@@ -479,6 +479,25 @@ class _Lowerer:
             k_gdn.gdn_chunked(*args, scale=scale, mixed=True)
             k_gdn.gdn_recurrent(*args, scale=scale, mixed=True)
 
+    def op_fused_gated_delta_rule_norm(self, node) -> None:
+        """passes/fold_gdn_norm.py's op. Decode buckets: the recurrent kernel with the norm (one
+        launch). Mixed buckets: the chunked kernel, the norm over every row in place (rows it did not
+        write are norms of stale values, overwritten next), then the recurrent kernel with the norm
+        for the one-token sequences: a decode token gets the decode bucket's bits."""
+        ins = [self.buf(t) for t in node.inputs]
+        q, k, v, a, b, a_log, dt_bias, state, sl, qsl, slots, z, w = ins
+        if node.attrs.get("eps", 1e-6) != 1e-6 or node.attrs.get("chunk_size", k_gdn.CHUNK) != k_gdn.CHUNK:
+            raise LoweringError(f"{node.name}: the GDN kernels take eps 1e-6 and {k_gdn.CHUNK}-token chunks")
+        out = self.buf(node.outputs[0])
+        args = (q, k, v, a, b, a_log, dt_bias, state, sl, qsl, slots, out)
+        scale, norm = node.attrs["q_scale"], (z, w, node.attrs["norm_eps"])
+        if self.bucket.decode:
+            k_gdn.gdn_recurrent(*args, scale=scale, norm=norm)
+        else:
+            k_gdn.gdn_chunked(*args, scale=scale, mixed=True)
+            k_gdn.gated_rms_norm(out, z, w, out, eps=node.attrs["norm_eps"], n_rows=self.n_rows(node.inputs[2]))
+            k_gdn.gdn_recurrent(*args, scale=scale, mixed=True, norm=norm)
+
     def op_gated_rms_norm(self, node) -> None:
         x, z, w = node.inputs
         k_gdn.gated_rms_norm(self.buf(x), self.buf(z), self.buf(w), self.buf(node.outputs[0]), eps=node.attrs["eps"],
@@ -537,6 +556,23 @@ class _Lowerer:
               for name, (shape, d) in need.items()}
         k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=path, tiles=tiles,
                           n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch)
+
+    def op_moe_experts_gguf(self, node) -> None:
+        """op_moe_experts with the experts in GGUF blocks (graph/gguf_ops.py): the same path, tiles
+        and scratch as the bf16 experts of these shapes, the blocks dequantised in the expert
+        GEMMs' K loops (codegen/triton/moe_gemm.py)."""
+        x, ids, weights, w13, w2 = (self.buf(t) for t in node.inputs)
+        t, k = ids.shape
+        e, two_i, _ = w13.shape
+        h = x.shape[1]
+        dt = dtype_name(x)
+        cfg = self.configs.moe(t, k, e, h, two_i // 2, dt, self.arch)
+        need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=cfg.path, block_m=cfg.tiles[0].block_m)
+        ws = {name: self.workspace(f"moe_{name}", shape, x.np_dtype if d == dt else np.dtype(d))
+              for name, (shape, d) in need.items()}
+        k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=cfg.path, tiles=cfg.tiles,
+                          n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch,
+                          qtypes=tuple(node.attrs["qtypes"]))
 
     def op_paged_attention(self, node) -> None:
         q, cache, bt, sl, qsl = node.inputs

@@ -209,6 +209,26 @@ def fused_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, ssm_state, seq_lens, q
                             query_start_loc, state_slots, chunk_size=chunk_size)
 
 
+def _infer_fused_gdr_norm(ins, attrs):
+    (dt, shape), state = _infer_fused_gdr(ins[:11], attrs)
+    z, w = ins[11], ins[12]
+    if int(np.prod(z.shape[1:])) != shape[1] * shape[2] or z.shape[0] != shape[0] or tuple(w.shape) != (shape[2],):
+        raise ValueError(f"fused_gated_delta_rule_norm: z {list(z.shape)} and w {list(w.shape)} must be "
+                         f"[T, Hv, dv] and [dv] with the output {list(shape)}")
+    return [(dt, shape), state]
+
+
+@OPS.register("fused_gated_delta_rule_norm", inputs=13, inplace={1: 7}, infer=_infer_fused_gdr_norm)
+def fused_gated_delta_rule_norm(q, k, v, a, b, a_log, dt_bias, ssm_state, seq_lens, query_start_loc, state_slots,
+                                z, w, *, q_scale: float, norm_eps: float, eps: float = 1e-6,
+                                chunk_size: int = CHUNK):
+    """fused_gated_delta_rule with the gated RMSNorm of its output folded in (passes/fold_gdn_norm.py):
+    -> (gated_rms_norm(o, z, w), ssm_state), the same numbers as the two ops composed."""
+    o, state = fused_gated_delta_rule(q, k, v, a, b, a_log, dt_bias, ssm_state, seq_lens, query_start_loc,
+                                      state_slots, q_scale=q_scale, eps=eps, chunk_size=chunk_size)
+    return gated_rms_norm(o, z.reshape(o.shape), w, eps=norm_eps), state
+
+
 # -- output norm and gates --------------------------------------------------------------
 
 @OPS.register("gated_rms_norm", inputs=3, infer=_like())

@@ -97,8 +97,8 @@ def _hybrid_weights(graph, rng):
 def test_hybrid_pipeline_fuses_the_gated_deltanet_and_preserves_logits(tmp_path):
     """The Gated DeltaNet layer after the passes, as --dump-ir shows it: q/k/v, z, b and a in one
     GEMM (merge_parallel_linears), SiLU inside the conv (fuse_conv_silu), the l2 norms and gates
-    inside the delta rule (fold_gdn_gates); the gated attention's q/k norms, partial rope and KV
-    write in the preamble. The logits of a prefill across two GDN chunks and a decode step stay."""
+    inside the delta rule (fold_gdn_gates), the gated output norm too (fold_gdn_norm: out_proj's
+    input written once); the gated attention's q/k norms, partial rope and KV write in the preamble. The logits of a prefill across two GDN chunks and a decode step stay."""
     from tests.tiny_models import HYBRID_BASE
 
     cfg = ModelConfig.from_hf_dict({**HYBRID_BASE, "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4})
@@ -108,8 +108,9 @@ def test_hybrid_pipeline_fuses_the_gated_deltanet_and_preserves_logits(tmp_path)
     ops = Counter(n.op for n in fused.nodes.values())
     gdn = sum(t == "linear_attention" for t in cfg.layer_types)
     assert gdn == 3
-    assert ops["fused_gated_delta_rule"] == ops["causal_conv1d"] == gdn
+    assert ops["fused_gated_delta_rule_norm"] == ops["causal_conv1d"] == gdn
     assert ops["gated_delta_rule"] == ops["l2norm"] == ops["gdn_gates"] == ops["silu"] == 0
+    assert ops["fused_gated_delta_rule"] == ops["gated_rms_norm"] == 0
     assert all(n.attrs["activation"] == "silu" for n in fused.nodes.values() if n.op == "causal_conv1d")
     assert "model.layers.0.linear_attn.in_proj_qkv+in_proj_z+in_proj_b+in_proj_a.weight" in \
         {t.name for t in fused.weights if t.parts}
@@ -119,6 +120,8 @@ def test_hybrid_pipeline_fuses_the_gated_deltanet_and_preserves_logits(tmp_path)
     fold = next(v for k, v in dumps.items() if k.endswith("_fold_gdn_gates.txt"))
     assert conv.count("silu(") == 0 and "activation=silu" in conv.replace("'", "").replace('"', "")
     assert fold.count("fused_gated_delta_rule(") == gdn and "l2norm(" not in fold
+    norm = next(v for k, v in dumps.items() if k.endswith("_fold_gdn_norm.txt"))
+    assert norm.count("fused_gated_delta_rule_norm(") == gdn and "gated_rms_norm(" not in norm
     rng = np.random.default_rng(0)
     weights = _hybrid_weights(ref_graph, rng)
     run = {}

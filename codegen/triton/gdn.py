@@ -89,12 +89,28 @@ def _gates(a_ptr, b_ptr, row, h, A, dtb):
 
 
 @triton.jit
+def _gated_norm(o, z_row, w_ptr, r, m, eps, DV: tl.constexpr, dt: tl.constexpr):
+    """f32 [BV] o of one head (BV >= DV; lanes past DV zero) -> rms_norm(o) * w * silu(z) in f32,
+    rounded where graph/gdn_ops.gated_rms_norm rounds: o as the rule's output is stored, the
+    normed o, w times it (gated_rms_norm_kernel's formula, so an unfused run gives these bits)."""
+    x = o.to(dt).to(tl.float32)
+    xn = (x / tl.sqrt(tl.sum(x * x, 0) / DV + eps)).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + r, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_row + r, mask=m, other=0.0).to(tl.float32)
+    return (w * xn).to(dt).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+
+
+@triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, o_ptr, slots_ptr,
                          seq_lens_ptr, qsl_ptr, stride_qk, stride_v, stride_ab, stride_o, scale,
+                         z_ptr, nw_ptr, stride_z, norm_eps,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, SINGLE_ONLY: tl.constexpr,
-                         PDL: tl.constexpr = False, BT: tl.constexpr = 64):
+                         PDL: tl.constexpr = False, BT: tl.constexpr = 64, NORM: tl.constexpr = False):
     # grid: (S, HV, cdiv(DV, BV)); one value head's [DK, BV] state slice per program.
+    # NORM (BV >= DV: the program owns the head's whole output row): the gated RMSNorm of the
+    # output (gated_rms_norm_kernel's formula on the rounded o) before the store, o_ptr then
+    # receiving rms_norm(o) * nw * silu(z); z: [T, HV * DV] rows strided, nw: [DV]
     # SINGLE_ONLY: only the tokens alone in their BT-window at the end of this step's chunk: the
     # one-token sequences (a prefill bucket's decodes) and the last token of a longer sequence
     # that starts a new window (the chunked kernel, launched before, leaves it and the state
@@ -133,6 +149,9 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
         u = tl.sum(S * k[:, None], 0)
         S = S + k[:, None] * (beta * (v - u))[None, :]
         o = tl.sum(S * q[:, None], 0)
+        if NORM:
+            o = _gated_norm(o, z_ptr + t64 * stride_z + h * DV, nw_ptr, rv, mv, norm_eps, DV,
+                            o_ptr.dtype.element_ty)
         tl.store(o_ptr + t64 * stride_o + h * DV + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
     if slot >= 0:
         tl.store(sp, S, mask=smask)
@@ -314,19 +333,22 @@ def causal_conv1d(x, w, state, seq_lens, query_start_loc, state_slots, out=None,
 
 
 def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: tuple[str, str, str], *,
-             block_v: int, mixed: bool = False, chunk: int = CHUNK) -> KernelSpec:
+             block_v: int, mixed: bool = False, chunk: int = CHUNK, norm: bool = False) -> KernelSpec:
     """form "recurrent" (decode; in a mixed bucket only its one-token sequences) or "chunked"
-    (prefill; in a mixed bucket not the one-token sequences). dtypes: (q/k, v/out, a/b)."""
+    (prefill; in a mixed bucket not the one-token sequences). dtypes: (q/k, v/out, a/b).
+    norm (recurrent only): the gated RMSNorm fused, a program per whole head (BV = DV)."""
     qk, v, ab = (sig_type(d) for d in dtypes)
     sig = dict(q_ptr=qk, k_ptr=qk, v_ptr=v, a_ptr=ab, b_ptr=ab, alog_ptr="*fp32", dtb_ptr="*fp32",
                state_ptr="*fp32", o_ptr=v, slots_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", stride_qk="i32",
                stride_v="i32", stride_ab="i32", stride_o="i32", scale="fp32")
-    bv = min(block_v, next_pow2(dv))
+    bv = next_pow2(dv) if norm else min(block_v, next_pow2(dv))
     cx = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk), BV=bv)
     if form == "recurrent":
-        cx.update(SINGLE_ONLY=mixed, BT=chunk)
+        sig.update(z_ptr=v, nw_ptr=v, stride_z="i32", norm_eps="fp32")
+        cx.update(SINGLE_ONLY=mixed, BT=chunk, NORM=norm)
         kernel, warps = "gdn_recurrent_kernel", 4
     elif form == "chunked":
+        check(not norm, "gdn: the chunked form has no fused norm (its value blocks split a head)")
         cx.update(BT=chunk, SKIP_SINGLE=mixed)
         kernel, warps = "gdn_chunked_kernel", 8
     else:
@@ -336,7 +358,7 @@ def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: 
 
 
 def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out, *, scale,
-         block_v, mixed):
+         block_v, mixed, norm=None):
     q, k, v, a, b, state = map(as_buf, (q, k, v, a, b, state))
     t, hv, dv = shape_of(v)
     check(shape_of(q) == shape_of(k) and len(shape_of(q)) == 3, "gdn: q and k must be [T, Hk, dk] alike")
@@ -350,21 +372,33 @@ def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, 
     check(shape_of(o) == (t, hv, dv) and strides_of(o) == (hv * dv, dv, 1), "gdn: out must be a packed [T, Hv, dv]")
     seq_lens = _meta(seq_lens)
     spec = gdn_spec(form, shape_of(seq_lens)[0], hk, hv, dk, dv, (dtype_name(q), dtype_name(v), dtype_name(a)),
-                    block_v=block_v, mixed=mixed)
+                    block_v=block_v, mixed=mixed, norm=norm is not None)
     f32 = lambda x: x if isinstance(x, Buf) else as_buf(np.ascontiguousarray(x, np.float32))
-    launch(spec, [q, k, v, a, b, f32(a_log), f32(dt_bias), state, o, _meta(state_slots), seq_lens,
-                  _meta(query_start_loc), strides_of(q)[0], strides_of(v)[0], strides_of(a)[0], hv * dv,
-                  float(dk ** -0.5 if scale is None else scale)])
+    args = [q, k, v, a, b, f32(a_log), f32(dt_bias), state, o, _meta(state_slots), seq_lens,
+            _meta(query_start_loc), strides_of(q)[0], strides_of(v)[0], strides_of(a)[0], hv * dv,
+            float(dk ** -0.5 if scale is None else scale)]
+    if form == "recurrent":
+        if norm is None:  # unused by the kernel (NORM off): any buffer of the dtype will do
+            args += [o, o, 0, 0.0]
+        else:
+            z, w, eps = as_buf(norm[0]), as_buf(norm[1]), norm[2]
+            check(shape_of(w) == (dv,) and dtype_name(w) == dtype_name(v) == dtype_name(z), "gdn norm: w [dv], dtypes")
+            check(shape_of(z)[0] == t and strides_of(z)[-1] == 1 and int(np.prod(shape_of(z)[1:])) == hv * dv
+                  and (len(shape_of(z)) == 2 or strides_of(z)[1] == dv),
+                  "gdn norm: z must be [T, Hv * dv] (rows strided, heads packed)")
+            args += [z, w, strides_of(z)[0], float(eps)]
+    launch(spec, args)
     return _unwrap(o)
 
 
 def gdn_recurrent(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out=None, *,
-                  scale: float | None = None, block_v: int = 32, mixed: bool = False):
+                  scale: float | None = None, block_v: int = 32, mixed: bool = False, norm=None):
     """The fused gates + l2 norms + gated delta rule, token by token (decode). q, k: [T, Hk, dk]
     (raw, after the conv; q's norm scaled by `scale`, dk^-0.5 by default), v: [T, Hv, dv], a, b:
-    [T, Hv]; state: f32 [NS, Hv, dk, dv] in place. mixed: only the one-token sequences."""
+    [T, Hv]; state: f32 [NS, Hv, dk, dv] in place. mixed: only the one-token sequences.
+    norm: (z, w, eps): out gets gated_rms_norm(o, z, w) instead of o (a program per head)."""
     return _gdn("recurrent", q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out,
-                scale=scale, block_v=block_v, mixed=mixed)
+                scale=scale, block_v=block_v, mixed=mixed, norm=norm)
 
 
 def gdn_chunked(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out=None, *,

@@ -130,6 +130,58 @@ def test_mixed_bucket_gives_decode_tokens_the_decode_kernels_bits(rng):
     assert np.array_equal(alone, out[t0:t0 + 1]) and np.array_equal(alone_state[3], state[3])
 
 
+def _norm_inputs(rng, t):
+    z = rand(rng, (t, HV * DV), BF16)
+    w = rand(rng, (DV,), BF16)
+    return z, w
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_recurrent_kernel_with_the_gated_norm_gives_the_unfused_bits(rng, batch):
+    """fold_gdn_norm's decode launch: the recurrent kernel norming each head's output row before
+    the store equals the recurrent kernel then gated_rms_norm bit for bit (state too), and the
+    reference composition within bf16 tolerance."""
+    seq_lens, qsl, slots = _batch(*BATCHES[batch])
+    t = int(qsl[-1])
+    ins = _gdn_inputs(rng, BF16, t)
+    z, w = _norm_inputs(rng, t)
+    state = (rng.standard_normal((4, HV, DK, DV)) * 0.3).astype(np.float32)
+    two, ref_state = state.copy(), state.copy()
+    fused = gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, norm=(z, w, 1e-6))
+    o = gdn.gdn_recurrent(*ins, two, seq_lens, qsl, slots, block_v=16)
+    unfused = gdn.gated_rms_norm(o, z, w, eps=1e-6)
+    assert np.array_equal(fused.view(np.uint16), unfused.view(np.uint16)) and np.array_equal(state, two)
+    o_ref = _reference(*ins, ref_state, seq_lens, qsl, slots, recurrent=True)
+    ref = gdn_ops.gated_rms_norm(o_ref, z.reshape(t, HV, DV), w, eps=1e-6)
+    assert_close(fused, ref, rtol=3e-2, what="gdn recurrent + gated norm")
+
+
+def test_mixed_bucket_with_the_gated_norm_gives_decode_tokens_the_decode_bits(rng):
+    """The mixed bucket's launches of fused_gated_delta_rule_norm (codegen/lower.py): chunked,
+    the norm over every row in place, recurrent with the norm for the one-token sequences.
+    Together the reference's numbers; the decode token's row is the decode launch's bits."""
+    seq_lens, qsl, slots = _batch(*BATCHES["mixed"])
+    t = int(qsl[-1])
+    ins = _gdn_inputs(rng, BF16, t)
+    z, w = _norm_inputs(rng, t)
+    state = (rng.standard_normal((4, HV, DK, DV)) * 0.3).astype(np.float32)
+    ref_state, alone_state = state.copy(), state.copy()
+    out = np.full((t, HV, DV), np.nan, BF16)
+    gdn.gdn_chunked(*ins, state, seq_lens, qsl, slots, out, block_v=16, mixed=True)
+    gdn.gated_rms_norm(out, z, w, out, eps=1e-6)
+    gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, out, mixed=True, norm=(z, w, 1e-6))
+    o_ref = _reference(*ins, ref_state, seq_lens, qsl, slots, recurrent=False)
+    ref = gdn_ops.gated_rms_norm(o_ref, z.reshape(t, HV, DV), w, eps=1e-6)
+    assert_close(out, ref, rtol=3e-2, what="mixed bucket output, normed")
+    assert_close(state, ref_state, rtol=2e-2, what="mixed bucket state")
+    d = 2
+    t0 = int(qsl[d])
+    one = [x[t0:t0 + 1] for x in ins[:5]]
+    alone = gdn.gdn_recurrent(*one, *ins[5:], alone_state, seq_lens[d:d + 1], np.array([0, 1], np.int32),
+                              slots[d:d + 1], norm=(z[t0:t0 + 1], w, 1e-6))
+    assert np.array_equal(alone.view(np.uint16), out[t0:t0 + 1].view(np.uint16))
+
+
 def test_sigmoid_mul_reads_the_gate_columns_in_place(rng):
     """The gated attention's gate: columns D..2D of each head of q_proj's [T, H, 2D] output."""
     t, h, d = 5, 3, 32
