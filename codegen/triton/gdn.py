@@ -92,7 +92,9 @@ def _gates(a_ptr, b_ptr, row, h, A, dtb):
 def _gated_norm(o, z_row, w_ptr, r, m, eps, DV: tl.constexpr, dt: tl.constexpr):
     """f32 [BV] o of one head (BV >= DV; lanes past DV zero) -> rms_norm(o) * w * silu(z) in f32,
     rounded where graph/gdn_ops.gated_rms_norm rounds: o as the rule's output is stored, the
-    normed o, w times it (gated_rms_norm_kernel's formula, so an unfused run gives these bits)."""
+    normed o, w times it (gated_rms_norm_kernel's formula: equal bits under the interpreter; on a
+    GPU the sum of squares may reduce in another order than that kernel's, which costs nothing,
+    since a token's row always comes from the same form of the rule, never from both)."""
     x = o.to(dt).to(tl.float32)
     xn = (x / tl.sqrt(tl.sum(x * x, 0) / DV + eps)).to(dt).to(tl.float32)
     w = tl.load(w_ptr + r, mask=m, other=0.0).to(tl.float32)
