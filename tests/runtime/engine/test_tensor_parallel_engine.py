@@ -213,3 +213,27 @@ def test_cli_tensor_parallel_size_that_does_not_divide_the_real_model_is_one_sen
                  "--tensor-parallel-size", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: tensor_parallel_size 2 does not divide the model's 9 attention heads"]
+
+
+def test_hybrid_moe_tp2_with_prefix_cache_snapshots_equals_n1(tmp_path, monkeypatch):
+    """Qwen3.5-MoE (Gated DeltaNet heads and experts split over two ranks): a 32-token budget
+    chunks the prompts, the second round hits the prefix cache and restores GDN state snapshots
+    on every rank (copy_state_slots through the workers); the tokens are N = 1's."""
+    from tests.tiny_moe import make_tiny_moe
+
+    make_tiny_moe(tmp_path, "qwen3_5_moe")
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, 70).tolist()
+    prompts = [base + [1, 2, 3], base + [9], rng.integers(0, 256, 30).tolist()]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    monkeypatch.setenv("KILN_CPU_BACKEND", "numpy")
+    one = LLM(tmp_path, skip_tokenizer_init=True, kv_cache_tokens=2048, max_num_seqs=4)
+    want = [tokens(one.generate(p, greedy))[0] for p in prompts]
+    two = LLM(tmp_path, skip_tokenizer_init=True, kv_cache_tokens=2048, max_num_seqs=4, tensor_parallel_size=2,
+              max_num_batched_tokens=32)
+    try:
+        assert tokens(two.generate(prompts, greedy)) == want
+        assert tokens(two.generate(prompts, greedy)) == want
+        assert two.stats()["prefix_cache_hit_rate"] > 0.3
+    finally:
+        two.model.executor.shutdown()
