@@ -7,8 +7,11 @@ the graph reads them: the builder (models/llama.py through models/fp8_linear.pro
 untied LM head) asks for `{module}.gguf_weight`, u8 [N, K / B * TS], the file's rows of blocks,
 and computes linear_gguf (graph/gguf_ops.py). Everything else keeps today's path: `{module}.weight`
 dequantised at load (f32 on the cpu target, bf16 on a GPU), whatever its type: the embedding
-(a gather, no block kernel yet: with tied embeddings the LM head reads it too), norms, and the
-MoE blocks' router, shared experts and stacked experts (models/moe.py does not ask for blocks).
+(a gather, no block kernel yet: with tied embeddings the LM head reads it too), norms, the MoE
+blocks' router and shared experts. A MoE layer's experts (llama.cpp's ffn_{gate,up,down}_exps)
+stay in their blocks where gate and up share a type (gguf_experts): moe_experts_gguf over
+`{layer}.mlp.experts.gate_up_proj.gguf_weight` [E, 2I, RB] (gate and up blocks stacked by
+models/moe_weights.py, expert_blocks below) and `{layer}.mlp.experts.down_proj.gguf_weight`.
 
 The cpu target runs the numpy reference, which dequantises a quantised weight on every call:
 right, and the same logits as dequantising at load, but a decode step then costs a whole
@@ -97,6 +100,38 @@ def project_gguf(g: Graph, quant: GgufConfig, x: Tensor, specs, n_in: int, dtype
     return outs
 
 
+def gguf_experts(g: Graph, quant: GgufConfig, p: str, e: int, inter: int, hidden: int):
+    """A MoE layer's experts in their GGUF blocks: (w13 u8 [E, 2I, RB], w2 u8 [E, H, RB'], (w13's type,
+    w2's type)), or None where they are not all in block formats kiln computes in with gate and up
+    alike (then they are dequantised at load)."""
+    x = f"{p}.mlp.experts"
+    q13 = quant.qtype(f"{x}.gate_up_proj.weight")
+    gate, up = quant.qtype(f"{x}.gate_proj.weight"), quant.qtype(f"{x}.up_proj.weight")
+    q13 = q13 or (gate if gate == up else None)
+    q2 = quant.qtype(f"{x}.down_proj.weight")
+    if q13 is None or q2 is None or hidden % BLOCKS[q13][0] or inter % BLOCKS[q2][0]:
+        return None
+    w13 = g.weight(f"{x}.gate_up_proj{SUFFIX}", DType.u8, (e, 2 * inter, row_bytes(q13, hidden)))
+    w2 = g.weight(f"{x}.down_proj{SUFFIX}", DType.u8, (e, hidden, row_bytes(q2, inter)))
+    return w13, w2, (q13, q2)
+
+
+def expert_blocks(cfg, rename: dict[str, str], weights: WeightSource) -> dict[str, tuple]:
+    """models/moe_weights.py's derived weights for the GGUF experts' blocks: each MoE layer's
+    `gate_up_proj.gguf_weight` [E, 2I, RB], its gate blocks' rows then its up blocks' (as the
+    dequantised stack is), where the file holds ffn_gate_exps and ffn_up_exps of one row length."""
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        x = f"model.layers.{i}.mlp.experts"
+        g, u = rename.get(f"{x}.gate_proj{SUFFIX}"), rename.get(f"{x}.up_proj{SUFFIX}")
+        if g is None or u is None or weights.shape(g) != weights.shape(u):
+            continue
+        e, rows, rb = weights.shape(g)
+        out[f"{x}.gate_up_proj{SUFFIX}"] = ((e, 2 * rows, rb), lambda get, a=g, b=u: np.concatenate(
+            [get(a), get(b)], axis=1))
+    return out
+
+
 def without_blocks(config):
     """The config whose GGUF tensors are all dequantised at load (today's path)."""
     return dataclasses.replace(config, quantization=None) if isinstance(config.quantization, GgufConfig) else config
@@ -128,7 +163,8 @@ def load_report(graph: Graph, weights: WeightSource) -> str:
         if qtype in _PLAIN_TYPES:
             continue
         module = name.removesuffix(".weight")
-        if module + SUFFIX in read:
+        stacked = re.sub(r"\.experts\.(gate|up)_proj$", ".experts.gate_up_proj", module)  # expert_blocks'
+        if module + SUFFIX in read or stacked + SUFFIX in read:
             kept[qtype] += 1
             kept_names.add(_LAYER.sub(".layers.*.", module))
         else:

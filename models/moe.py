@@ -18,6 +18,7 @@ from __future__ import annotations
 from kiln.errors import UnsupportedQuantizationError
 from kiln.graph import DType, Graph, Tensor
 from kiln.models.config import ModelConfig
+from kiln.models.gguf_quant import gguf_experts
 from kiln.models.nvfp4_linear import linear_or_nvfp4
 
 GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H]: each expert's gate rows, then its up rows
@@ -50,9 +51,15 @@ def moe_block(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DTyp
     logits = _linear(g, x, f"{p}.mlp.gate.weight", E, H, dtype, f"{n}.router")  # [T, E]
     ids, weights = g.call("moe_router", [logits], name=f"{n}.topk", top_k=cfg.num_experts_per_tok,
                           renormalize=cfg.norm_topk_prob)
-    w13 = g.weight(f"{p}.{GATE_UP}", dtype, (E, 2 * I, H))
-    w2 = g.weight(f"{p}.{DOWN}", dtype, (E, H, I))
-    y = g.call1("moe_experts", x, ids, weights, w13, w2, name=f"{n}.experts")
+    blocks = gguf_experts(g, cfg.quantization, p, E, I, H) if getattr(cfg.quantization, "weight", None) == "gguf" \
+        else None
+    if blocks is not None:  # a GGUF's experts in their block formats (models/gguf_quant.py)
+        w13, w2, qtypes = blocks
+        y = g.call1("moe_experts_gguf", x, ids, weights, w13, w2, qtypes=qtypes, name=f"{n}.experts")
+    else:
+        w13 = g.weight(f"{p}.{GATE_UP}", dtype, (E, 2 * I, H))
+        w2 = g.weight(f"{p}.{DOWN}", dtype, (E, H, I))
+        y = g.call1("moe_experts", x, ids, weights, w13, w2, name=f"{n}.experts")
     ish = cfg.shared_expert_intermediate_size
     if not ish:
         return y

@@ -19,6 +19,7 @@ import numpy as np
 
 from kiln.errors import InvalidModelError
 from kiln.models.config import ModelConfig
+from kiln.models.gguf_quant import expert_blocks
 from kiln.models.moe import DOWN, GATE_UP
 from kiln.models.mapped_weights import MappedWeights
 from kiln.models.weights import WeightSource
@@ -74,7 +75,9 @@ def _layer(cfg: ModelConfig, p: str, rename: dict[str, str]) -> dict[str, tuple]
 def adapt_weights(cfg: ModelConfig, weights: WeightSource) -> WeightSource:
     """Qwen3MoeForCausalLM: the checkpoint's names are the graph's, but for the experts."""
     rename = {nm: nm for nm in weights.names()}
-    return MappedWeights(weights, rename, expert_weights(cfg, rename))
+    derived = expert_weights(cfg, rename)
+    derived.update(expert_blocks(cfg, rename, weights))  # GGUF experts kept in their blocks (models/gguf_quant.py)
+    return MappedWeights(weights, rename, derived)
 
 
 def _check(get, name: str, shape: tuple[int, ...]) -> np.ndarray:

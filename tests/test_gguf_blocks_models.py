@@ -169,3 +169,24 @@ def test_smollm2_q4_1_in_its_blocks(smollm2_gguf, hf_smollm2_model):
         want = hf_smollm2_model(torch.tensor([PROMPT])).logits[0].numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_moe_experts_in_their_blocks(tmp_path, caplog):
+    """A tiny Qwen3-MoE GGUF with Q8_0 experts (tests/test_moe_gguf.py's file): the experts stay in
+    their blocks (moe_experts_gguf over gate/up blocks stacked per layer), the log says so, and the
+    logits are the dequantise-at-load path's bit for bit (test_moe_gguf.py checks that path against
+    transformers)."""
+    from tests.test_moe_gguf import write_moe_gguf
+    from tests.tiny_moe import make_tiny_moe
+
+    model = make_tiny_moe(tmp_path / "hf", "qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[],
+                          norm_topk_prob=True, num_hidden_layers=2)
+    write_moe_gguf(tmp_path / "q8.gguf", model, quant=GGMLQuantizationType.Q8_0)
+    with caplog.at_level(logging.INFO, logger="kiln.loader"):
+        lm = load(tmp_path / "q8.gguf", tokenizer=False, gguf_blocks=True, kv_cache_tokens=256)
+    assert [n.op for n in lm.graph.nodes.values()].count("moe_experts_gguf") == 2
+    assert "GGUF: 6 tensors stay in their block format" in caplog.text
+    assert "model.layers.*.mlp.experts.gate_proj, model.layers.*.mlp.experts.up_proj" in caplog.text
+    at_load = load(tmp_path / "q8.gguf", tokenizer=False, kv_cache_tokens=256)
+    assert "moe_experts_gguf" not in [n.op for n in at_load.graph.nodes.values()]
+    assert _step(lm.executor).tobytes() == _step(at_load.executor).tobytes()

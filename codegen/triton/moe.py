@@ -25,12 +25,15 @@ would have to become "decode path for every bucket of a family", never a per-bat
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, dtype_name,
                                         launch, shape_of, strides_of)
 from kiln.codegen.triton.moe_align import moe_align, moe_align_capacity, moe_align_spec
 from kiln.codegen.triton.moe_gemm import MoeTile, moe_down_spec, moe_gate_up_spec, moe_sum_spec
+from kiln.graph.gguf_blocks import BLOCKS, row_bytes
 
 DECODE_MAX_ASSIGNMENTS = 64  # T * k up to which a bucket takes the decode path (a speed knob)
 
@@ -54,21 +57,32 @@ def moe_tiles(t: int, top_k: int, e: int, h: int, i: int, arch: str = "sm_90", p
     return tile, tile
 
 
+def gguf_tiles(tiles: tuple[MoeTile, MoeTile], h: int, i: int) -> tuple[MoeTile, MoeTile]:
+    """GGUF experts (moe_gemm.py): K steps that cut each weight's K into whole steps (the dequantised
+    tile has no K mask; K is whole 32-weight blocks at least). A schedule knob: the sums do not move."""
+    gu, dn = tiles
+    return (gu if h % gu.block_k == 0 else replace(gu, block_k=32),
+            dn if i % dn.block_k == 0 else replace(dn, block_k=32))
+
+
 def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *,
                       path: str | None = None, tiles: tuple[MoeTile, MoeTile] | None = None,
-                      arch: str = "sm_90") -> list[KernelSpec]:
+                      arch: str = "sm_90", qtypes: tuple[str, str] | None = None) -> list[KernelSpec]:
     """The launches of one MoE experts layer for a bucket of T tokens, in order (the router's is
-    moe_router_spec)."""
+    moe_router_spec). qtypes: (w13's, w2's) GGUF block formats, for experts kept in their blocks."""
     path = path or moe_path(t, top_k)
     gu, dn = tiles or moe_tiles(t, top_k, e, h, i, arch, path)
+    q13, q2 = qtypes or (None, None)
+    if qtypes:
+        gu, dn = gguf_tiles((gu, dn), h, i)
     if path == "decode":
-        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True),
-                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True)]
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2)]
     check(path == "grouped", f"moe: unknown path {path!r}")
     check(gu.block_m == dn.block_m, "moe: gate_up and down share the align step's BLOCK_M")
     return [moe_align_spec(t, top_k, e, gu.block_m),
-            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False),
-            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False),
+            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False, qtype=q13),
+            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False, qtype=q2),
             moe_sum_spec(t, top_k, h, dtype)]
 
 
@@ -87,16 +101,25 @@ def _unwrap(b):
     return b.array if getattr(b, "on_host", False) else b
 
 
-def _check_layer(x, topk_ids, topk_weights, w13, w2):
+def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None):
     check(len(shape_of(x)) == 2, "moe: x must be [T, H]")
     check_dtype(x, ("bfloat16", "float16", "float32"), "moe x")
     check_inner_contiguous(x, "moe x")
     t, h = shape_of(x)
-    check(len(shape_of(w13)) == 3 and shape_of(w13)[2] == h and shape_of(w13)[1] % 2 == 0,
-          f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {h}]")
+    check(len(shape_of(w13)) == 3 and shape_of(w13)[1] % 2 == 0, f"moe: w13 {list(shape_of(w13))} is not [E, 2I, H]")
     e, i = shape_of(w13)[0], shape_of(w13)[1] // 2
-    check(shape_of(w2) == (e, h, i), f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {i}]")
-    check(dtype_name(w13) == dtype_name(x) and dtype_name(w2) == dtype_name(x), "moe: x, w13, w2 dtypes differ")
+    if qtypes:  # GGUF blocks: rows of row_bytes(qtype, K) bytes
+        check(all(q in BLOCKS for q in qtypes) and dtype_name(x) != "float32", f"moe: GGUF experts {qtypes} "
+              f"need block formats kiln computes in and bf16/f16 activations")
+        check(dtype_name(w13) == dtype_name(w2) == "uint8", "moe: GGUF experts are u8 blocks")
+        check(h % BLOCKS[qtypes[0]][0] == 0 and shape_of(w13)[2] == row_bytes(qtypes[0], h),
+              f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {qtypes[0]} rows of {h}]")
+        check(i % BLOCKS[qtypes[1]][0] == 0 and shape_of(w2) == (e, h, row_bytes(qtypes[1], i)),
+              f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {qtypes[1]} rows of {i}]")
+    else:
+        check(shape_of(w13)[2] == h, f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {h}]")
+        check(shape_of(w2) == (e, h, i), f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {i}]")
+        check(dtype_name(w13) == dtype_name(x) and dtype_name(w2) == dtype_name(x), "moe: x, w13, w2 dtypes differ")
     for b, name in ((w13, "w13"), (w2, "w2")):
         check_inner_contiguous(b, f"moe {name}", 3)
     check(len(shape_of(topk_ids)) == 2 and shape_of(topk_ids)[0] == t, "moe: topk_ids must be [T, k]")
@@ -109,13 +132,14 @@ def _check_layer(x, topk_ids, topk_weights, w13, w2):
 
 def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | None = None,
                 tiles: tuple[MoeTile, MoeTile] | None = None, n_rows=None, workspace: dict | None = None,
-                arch: str = "sm_90"):
+                arch: str = "sm_90", qtypes: tuple[str, str] | None = None):
     """x: [T, H] (rows may be strided), topk_ids i32[T, k], topk_weights f32[T, k], w13 [E, 2I, H],
     w2 [E, H, I] -> y [T, H] in x's dtype (the graph op moe_experts). n_rows: i32[1] live tokens
     (default T; rows past it are not written). workspace: moe_workspace's buffers by name
-    (allocated here for host arrays)."""
+    (allocated here for host arrays). qtypes: (w13's, w2's) GGUF block formats, w13 and w2 then
+    u8 rows of blocks [E, 2I, RB], [E, H, RB'] (moe_experts_gguf)."""
     x, topk_ids, topk_weights, w13, w2, out, n_rows = map(as_buf, (x, topk_ids, topk_weights, w13, w2, out, n_rows))
-    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2)
+    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes)
     path = path or moe_path(t, k)
     gu, dn = tiles or moe_tiles(t, k, e, h, i, arch, path)
     dt = dtype_name(x)
@@ -131,7 +155,7 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
             ws[name] = as_buf(np.empty(shape, np.dtype(x.dtype) if d == dt else d))
         check(shape_of(ws[name]) == shape and dtype_name(ws[name]) == d, f"moe: workspace[{name!r}] must be "
               f"{d}{list(shape)}")
-    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch)
+    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch, qtypes=qtypes)
     if path == "decode":
         gate_up, down = specs
         meta = [topk_ids, topk_ids, topk_ids, n_rows, n_rows, 0, t * k]  # no sorted rows: placeholders

@@ -30,6 +30,12 @@ the activation dtype (exact: the op rounds it there), and moe_sum_kernel weights
 token's k rows in rank order: half the bytes of f32 products through memory. The decode form of
 down owns all k rows of its token, so it does that sum itself, in the same order on the same
 rounded products: the same bits, one launch and the rows' round trip less.
+
+GGUF experts (QT >= 0, graph/moe_ops.py moe_experts_gguf): w13 and w2 are the experts' rows of
+GGUF blocks, u8 [E, 2I, RB] and [E, H, RB'] (RB bytes a row: graph/gguf_blocks.py), and each
+K step's weight tile is dequantised in registers (gguf_gemm._dequant, gguf-py's f32 values)
+and rounded to the activation dtype before the same tl.dot chain: the bits of these kernels on
+the experts dequantised at load and stored in that dtype.
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ import triton
 import triton.language as tl
 
 from kiln.codegen.triton.gemm import _dot_acc, _tile_ids
+from kiln.codegen.triton.gguf_gemm import QTYPES, _dequant
+from kiln.graph.gguf_blocks import row_bytes
 from kiln.codegen.triton.launch import KernelSpec, cdiv, sig_type
 from kiln.codegen.triton.moe_align import moe_align_capacity
 from kiln.codegen.triton.pdl import pdl_enter
@@ -71,22 +79,36 @@ def _mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_ptr, w_rows, rn, rk, dt, N: tl.constexpr, K: tl.constexpr, QT: tl.constexpr):
+    """The [BK, BN] weight tile at columns rk of rows rn: loaded, or (QT >= 0) dequantised from
+    the rows of GGUF blocks at byte offsets w_rows and rounded to dt."""
+    if QT >= 0:
+        return _dequant(w_ptr, w_ptr.to(tl.pointer_type(tl.float16)), w_rows, rk[:, None], QT).to(dt)
+    else:
+        return tl.load(w_ptr + w_rows + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+
+
+@triton.jit
 def _expert_sums(x_rows, row_ok, w_ptr, w2_ptr, rn, N: tl.constexpr, K: tl.constexpr, TWO: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+                 QT: tl.constexpr = -1, RB: tl.constexpr = 0):
     """f32 [BM, BN] sums x_rows . w[rn] over K from 0 in increasing order (TWO: also against
     w2, the up rows of the same expert, sharing the x loads). x_rows: [BM] pointers to rows of
-    K elements, row_ok: [BM]; w_ptr, w2_ptr: an expert's [N, K] rows (packed); rn: [BN]."""
+    K elements, row_ok: [BM]; w_ptr, w2_ptr: an expert's [N, K] rows (packed), or with QT >= 0
+    its [N, RB] rows of GGUF blocks (rows past N clamped: read, never stored); rn: [BN]."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_rows = rn.to(tl.int64)[None, :] * K  # [1, BN]
+    if QT >= 0:
+        w_rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :] * RB  # [1, BN] byte offsets
+    else:
+        w_rows = rn.to(tl.int64)[None, :] * K  # [1, BN]
     STEP: tl.constexpr = 16 if INTERPRET else BLOCK_K  # gemm._split_acc says why
     for k0 in range(0, K, STEP):
         rk = k0 + tl.arange(0, STEP)
         a = tl.load(x_rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
-        wm = (rn[None, :] < N) & (rk[:, None] < K)
-        acc = _dot_acc(a, tl.load(w_ptr + w_rows + rk[:, None], mask=wm, other=0.0), acc, INTERPRET)
+        acc = _dot_acc(a, _w_tile(w_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc, INTERPRET)
         if TWO:
-            acc2 = _dot_acc(a, tl.load(w2_ptr + w_rows + rk[:, None], mask=wm, other=0.0), acc2, INTERPRET)
+            acc2 = _dot_acc(a, _w_tile(w2_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc2, INTERPRET)
     return acc, acc2
 
 
@@ -110,8 +132,10 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
                        EM, NUM_ROWS, stride_x,
                        I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
-                       INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    # x: [T, H] (rows strided); w: [E, 2I, H] (gate rows, then up rows); a: [T*k, I] packed
+                       INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
+                       RB: tl.constexpr = 0):
+    # x: [T, H] (rows strided); w: [E, 2I, H] (gate rows, then up rows; QT >= 0: [E, 2I, RB] GGUF
+    # blocks); a: [T*k, I] packed
     # grid: grouped (cdiv(EM, BM) * cdiv(I, BN),); decode (cdiv(I, BN), T*k)
     pdl_enter(PDL)  # before any global access (pdl.py)
     if DECODE:
@@ -127,8 +151,9 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
     ok = rows < NUM_ROWS
     x_rows = x_ptr + (tl.where(ok, rows, 0) // TOPK).to(tl.int64) * stride_x  # [BM]: token t of r
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wg = w_ptr + e * (2 * I * H)
-    g, u = _expert_sums(x_rows, ok, wg, wg + I * H, rn, I, H, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+    ROW: tl.constexpr = RB if QT >= 0 else H  # w's elements a row
+    wg = w_ptr + e * (2 * I * ROW)
+    g, u = _expert_sums(x_rows, ok, wg, wg + I * ROW, rn, I, H, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB)
     dt = a_ptr.dtype.element_ty
     g = g.to(dt).to(tl.float32)  # what a dense gate_up linear would store
     u = u.to(dt).to(tl.float32)
@@ -142,11 +167,13 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
                     n_rows_ptr, EM, NUM_ROWS, stride_y,
                     I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
-                    INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    # a: [T*k, I] packed; w: [E, H, I]; tw: f32[T*k] routing weights
+                    INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
+                    RB: tl.constexpr = 0):
+    # a: [T*k, I] packed; w: [E, H, I] (QT >= 0: [E, H, RB] GGUF blocks); tw: f32[T*k] routing weights
     # grouped: o: [T*k, H] packed (the dtype's), grid (cdiv(EM, BM) * cdiv(H, BN),); tw, y unused
     # decode: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
     pdl_enter(PDL)  # before any global access (pdl.py)
+    ROW: tl.constexpr = RB if QT >= 0 else I  # w's elements a row
     if DECODE:
         pid_n, t = tl.program_id(0), tl.program_id(1)
         if t >= tl.load(n_rows_ptr):
@@ -156,8 +183,8 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
         for j in tl.static_range(TOPK):  # rank order, from zero (moe_sum_kernel's order)
             rows, e = _rows(0, t * TOPK + j, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, True)
             ok = rows < NUM_ROWS
-            acc, _ = _expert_sums(a_ptr + rows.to(tl.int64) * I, ok, w_ptr + e * (H * I), w_ptr, rn, H, I, False,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+            acc, _ = _expert_sums(a_ptr + rows.to(tl.int64) * I, ok, w_ptr + e * (H * ROW), w_ptr, rn, H, I, False,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB)
             o = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, as a linear stores it
             y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
         lane = tl.arange(0, BLOCK_M)
@@ -171,8 +198,8 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
         ok = rows < NUM_ROWS
         safe = tl.where(ok, rows, 0).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, _ = _expert_sums(a_ptr + safe * I, ok, w_ptr + e * (H * I), w_ptr, rn, H, I, False,
-                              BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET)
+        acc, _ = _expert_sums(a_ptr + safe * I, ok, w_ptr + e * (H * ROW), w_ptr, rn, H, I, False,
+                              BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB)
         # the expert's output, as a linear stores it (moe_sum_kernel weights it)
         tl.store(o_ptr + safe[:, None] * H + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=ok[:, None] & (rn[None, :] < H))
@@ -198,7 +225,7 @@ def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, H: tl.constexpr, 
 
 
 def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h: int, i: int, *,
-               tile: MoeTile, decode: bool) -> KernelSpec:
+               tile: MoeTile, decode: bool, qtype: str | None = None) -> KernelSpec:
     bm = 16 if decode else tile.block_m
     if decode:  # gate_up: a program per (column block, assignment); down: per (column block, token)
         grid = (cdiv(n_out, tile.block_n), t * top_k if kernel == "moe_gate_up_kernel" else t, 1)
@@ -207,9 +234,17 @@ def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h
     return KernelSpec(
         module=__name__, kernel=kernel, signature=sig,
         constexprs=dict(I=i, H=h, TOPK=top_k, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                        GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False),
+                        GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False,
+                        **(_gguf_constexprs(qtype, h if kernel == "moe_gate_up_kernel" else i, tile) if qtype else {})),
         grid=grid, num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible=tuple(n for n in sig if n.endswith("_ptr")))
+
+
+def _gguf_constexprs(qtype: str, k: int, tile: MoeTile) -> dict:
+    """QT and RB of a GGUF weight whose rows hold K = k weights (K whole blocks and whole K steps)."""
+    if k % tile.block_k:
+        raise ValueError(f"moe: K={k} is not whole {tile.block_k}-column steps")
+    return dict(QT=QTYPES.index(qtype), RB=row_bytes(qtype, k))
 
 
 _META = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "n_post_ptr": "*i32",
@@ -217,19 +252,22 @@ _META = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "n
 
 
 def moe_gate_up_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
-                     decode: bool) -> KernelSpec:
-    """x [T, H] through w13 [E, 2I, H] -> a [T*k, I]: grouped over moe_align's blocks, or decode."""
+                     decode: bool, qtype: str | None = None) -> KernelSpec:
+    """x [T, H] through w13 [E, 2I, H] (qtype: [E, 2I, RB] GGUF blocks) -> a [T*k, I]: grouped over
+    moe_align's blocks, or decode."""
     p = sig_type(dtype)
-    sig = {"x_ptr": p, "w_ptr": p, "a_ptr": p, **_META, "stride_x": "i32"}
-    return _gemm_spec("moe_gate_up_kernel", sig, i, t, top_k, e, h, i, tile=tile, decode=decode)
+    sig = {"x_ptr": p, "w_ptr": "*u8" if qtype else p, "a_ptr": p, **_META, "stride_x": "i32"}
+    return _gemm_spec("moe_gate_up_kernel", sig, i, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype)
 
 
 def moe_down_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
-                  decode: bool) -> KernelSpec:
-    """a [T*k, I] through w2 [E, H, I]: grouped -> o [T*k, H] (then moe_sum), decode -> y [T, H]."""
+                  decode: bool, qtype: str | None = None) -> KernelSpec:
+    """a [T*k, I] through w2 [E, H, I] (qtype: [E, H, RB] GGUF blocks): grouped -> o [T*k, H] (then
+    moe_sum), decode -> y [T, H]."""
     p = sig_type(dtype)
-    sig = {"a_ptr": p, "w_ptr": p, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META, "stride_y": "i32"}
-    return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode)
+    sig = {"a_ptr": p, "w_ptr": "*u8" if qtype else p, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META,
+           "stride_y": "i32"}
+    return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype)
 
 
 def moe_sum_spec(t: int, top_k: int, h: int, dtype: str = "bfloat16", *, block: int = 1024,

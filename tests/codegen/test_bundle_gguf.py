@@ -52,3 +52,31 @@ def test_every_bucket_of_a_gguf_model_compiles(target):
     assert weights["lm_head" + SUFFIX][:2] == ["u8", [256, row_bytes("Q6_K", 256)]]
     assert weights["model.layers.1.self_attn.q_proj+k_proj" + SUFFIX][2] == [
         ["model.layers.1.self_attn.q_proj" + SUFFIX, 256], ["model.layers.1.self_attn.k_proj" + SUFFIX, 128]]
+
+
+def test_a_gguf_moe_model_compiles_for_sm_90():
+    """Qwen3-MoE with its experts in blocks (gate/up Q4_K stacked, down Q6_K) and Q8_0 attention:
+    every bucket's plan runs the MoE kernels over the u8 expert blocks (both paths: decode buckets
+    and the grouped one)."""
+    base = ModelConfig.from_hf_dict({**DIMS, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 256, "decoder_sparse_step": 1,
+                                     "norm_topk_prob": True})
+    types = []
+    for i in range(base.num_hidden_layers):
+        x = f"model.layers.{i}.mlp.experts"
+        types += [(f"{x}.gate_proj.weight", "Q4_K"), (f"{x}.up_proj.weight", "Q4_K"), (f"{x}.down_proj.weight", "Q6_K")]
+        types += [(f"model.layers.{i}.self_attn.{m}.weight", "Q8_0") for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    cfg = dataclasses.replace(base, quantization=GgufConfig(tuple(types)))
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    assert sum(n.op == "moe_experts_gguf" for n in graph.nodes.values()) == cfg.num_hidden_layers
+    b = compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    meta = b.manifest["kernels"]
+    for p in b.manifest["plans"].values():
+        names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
+        assert names["moe_gate_up_kernel"] == names["moe_down_kernel"] == cfg.num_hidden_layers, p["bucket"]
+        assert names["gguf_gemm_kernel"] == 2 * cfg.num_hidden_layers, p["bucket"]  # q/k/v merged, o
+    gguf = [k for k, m in meta.items() if m["name"].startswith("moe_") and "*u8" in m["signature"]]
+    assert len(gguf) >= 4  # gate_up and down, decode and grouped forms, over u8 blocks
+    assert b.manifest["weights"]["model.layers.0.mlp.experts.gate_up_proj" + SUFFIX][:2] == \
+        ["u8", [4, 512, row_bytes("Q4_K", 256)]]

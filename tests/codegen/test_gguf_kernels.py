@@ -88,3 +88,28 @@ def test_a_real_gguf_blocks(smollm2_weights):
     x = rand(np.random.default_rng(3), (2, raw.shape[1] // 20 * 32))
     assert same_bits(gguf_gemm(x, raw[:64], qtype="Q4_1"),
                      gemm(x, got.astype(BF16), red=GemmReduction(64, 1), tile=GemmTile(16, 16, block_k=32)))
+
+
+def test_moe_experts_in_blocks_are_the_bf16_experts_bit_for_bit():
+    """moe_experts over GGUF expert blocks (codegen/triton/moe_gemm.py QT >= 0) gives the bits of the
+    bf16 MoE kernels on the experts dequantised at load, on both paths (decode: a program per
+    assignment; grouped: sorted into expert blocks), and the numpy op moe_experts_gguf within bf16.
+    (The k-quants' in-kernel dequantisation is _dequant's, tested above; a 256-wide expert under the
+    interpreter costs minutes. test_bundle_gguf.py compiles Q4_K/Q6_K experts.)"""
+    q13, q2, h, i = "Q4_1", "Q8_0", 64, 32
+    from kiln.codegen.triton.moe import moe_experts
+    from kiln.graph.gguf_ops import moe_experts_gguf
+
+    rng = np.random.default_rng(11)
+    e, k, t = 4, 2, 5
+    w13 = random_matrix(q13, e * 2 * i, h, rng, scale=0.3 / h ** 0.5).reshape(e, 2 * i, -1)
+    w2 = random_matrix(q2, e * h, i, rng, scale=0.3 / i ** 0.5).reshape(e, h, -1)
+    d13 = gguf_dequantize(w13, GGMLQuantizationType[q13]).astype(BF16)
+    d2 = gguf_dequantize(w2, GGMLQuantizationType[q2]).astype(BF16)
+    x = rand(rng, (t, h))
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    for path in ("decode", "grouped"):
+        got = moe_experts(x, ids, wts, w13, w2, path=path, qtypes=(q13, q2))
+        assert same_bits(got, moe_experts(x, ids, wts, d13, d2, path=path)), path
+    assert_close(f32(got), f32(moe_experts_gguf(x, ids, wts, w13, w2, qtypes=(q13, q2))), rtol=2e-2, what=q13)
