@@ -1,13 +1,15 @@
 """One linear layer over a packed weight: the compiled GEMV for a few tokens, BLAS for many.
 
-The switch (GEMM_MIN_TOKENS): a step of T tokens at or above it dequantises the weight (bit-exact,
-linear_kernels.dequant_*_t) into a K-major f32 scratch shared by every layer and multiplies with
-numpy's BLAS (OpenBLAS sgemm); below it the compiled GEMV streams the packed codes once for all T
-tokens. Measured on the 2-core Zen 3 machine on SmolLM2's Q4_1 shapes (bench/cpu_linear_switch.py):
-the GEMV costs about T times its T=1 time (it is compute bound once the codes are in cache), the
-dequantise + sgemm path a fixed dequantisation plus sgemm's ~60 GFLOP/s, and they cross between 8
-and 16 tokens. Decode steps of up to GEMM_MIN_TOKENS - 1 sequences stay on the GEMV path, whose
-per-token sums do not depend on T.
+The switch (GEMM_MIN_TOKENS = 32): a step of T tokens at or above it dequantises the weight
+(bit-exact, linear_kernels.dequant_*_t) into a K-major f32 scratch shared by every layer and
+multiplies with numpy's BLAS (OpenBLAS sgemm); below it the compiled GEMV streams the packed codes
+once for all T tokens. bench/cpu_linear_switch.py times both on SmolLM2's Q4_1 weights. On one
+Zen 3 core (CPU time, OPENBLAS_NUM_THREADS=1, 2026-12-07) the GEMV costs ~0.14 ms per token of
+gate/up [3072, 576] and the other path a fixed ~1.2-2 ms of dequantisation (it writes 7 MB of f32:
+memory bound) plus sgemm; they cross at 16-24 tokens. With two threads the GEMV halves while the
+dequantisation stays serial (a BLAS step leaves numba one thread), which moves the crossing to
+~32-64 tokens; 32 keeps decode batches of up to 31 sequences on the GEMV path, whose per-token
+sums do not depend on T.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 from kiln.runtime.cpu import linear_kernels as K
 from kiln.runtime.cpu.packed import PackedWeight
 
-GEMM_MIN_TOKENS = 12
+GEMM_MIN_TOKENS = 32
 
 
 class Scratch:

@@ -8,9 +8,11 @@ GEMV go from 1,080 us to 105 us on one Zen 3 core (measured while writing this f
 - nibbles are split in float (floor(q / 16)) because numba promotes integer arithmetic on u8 to
   int64, and int64 -> float has no AVX2 instruction (every value went through a scalar convert);
 - no array views inside the loops (each view is a reference count taken and dropped).
-Per token, the T rows of x share each decoded tile: the codes are decoded once into lo/hi, then
-every token of the step reads them. A token's sums are the same whatever T is (batch invariance
-within the GEMV path); T past the switch (linear.py) goes through BLAS instead.
+Every token of a step decodes the codes again (from L1) in the same expression: 1.45x faster at
+T = 1 than decoding a tile once into lo/hi arrays that the T tokens then read (0.137 vs 0.199 ms
+for SmolLM2's gate/up on one core), 15 % slower at T = 8. Batch 1 decode is what matters most,
+and a token's sums are then the same bits whatever T is (batch invariance within the GEMV path,
+tests/runtime/cpu/test_packed_weights.py); T past the switch (linear.py) goes through BLAS.
 
 Dequantisation (dequant_*) is bit-exact to gguf-py: no fastmath there (no FMA contraction).
 """
@@ -34,21 +36,16 @@ def gemv_q4(x, q, d, m, y, T):
     for g in prange(G):
         acc = np.zeros((T, R), np.float32)
         s = np.empty((T, R), np.float32)
-        lo = np.empty(R, np.float32)
-        hi = np.empty(R, np.float32)
         for b in range(nb):
             s[:, :] = 0
             for j in range(16):
-                for r in range(R):
-                    f = np.float32(q[g, b, j, r])
-                    h = np.floor(f * _1_16)
-                    hi[r] = h
-                    lo[r] = f - _16 * h
                 for t in range(T):
                     x0 = x[t, b * 32 + j]
                     x1 = x[t, b * 32 + 16 + j]
                     for r in range(R):
-                        s[t, r] += x0 * lo[r] + x1 * hi[r]
+                        f = np.float32(q[g, b, j, r])
+                        h = np.floor(f * _1_16)
+                        s[t, r] += x0 * (f - _16 * h) + x1 * h
             for t in range(T):
                 xs = np.float32(0)
                 for j in range(32):
@@ -68,16 +65,13 @@ def gemv_q8(x, q, d, y, T):
     for g in prange(G):
         acc = np.zeros((T, R), np.float32)
         s = np.empty((T, R), np.float32)
-        w = np.empty(R, np.float32)
         for b in range(nb):
             s[:, :] = 0
             for j in range(gs):
-                for r in range(R):
-                    w[r] = np.float32(q[g, b, j, r])
                 for t in range(T):
                     x0 = x[t, b * gs + j]
                     for r in range(R):
-                        s[t, r] += x0 * w[r]
+                        s[t, r] += x0 * np.float32(q[g, b, j, r])
             for t in range(T):
                 for r in range(R):
                     acc[t, r] += d[g, b, r] * s[t, r]

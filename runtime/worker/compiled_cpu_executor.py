@@ -150,7 +150,7 @@ class CompiledCpuExecutor:
                     "seq_lens": np.array([T], np.int32), "query_start_loc": np.array([0, T], np.int32),
                     "logits_indices": np.array([T - 1], np.int32)}
             ctx = StepContext(T, 1, step, np.zeros(T, np.int32))
-            for s, fn in zip(self.plan.steps, self.plan.bind(16)):
+            for s, fn in zip(self.plan.steps, self.plan.bind(max(16, T))):
                 t1 = time.perf_counter()
                 fn(ctx)
                 dt = time.perf_counter() - t1
