@@ -36,15 +36,20 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_gguf):
+def server(smollm2_gguf):
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(smollm2_gguf), max_model_len=1024,
                                                   kv_cache_tokens=4096, max_num_seqs=4))
     srv = LiveServer(engine, ServerConfig(served_model_names=(NAME,), tool_call_parser="hermes",
                                           enable_auto_tool_choice=True))
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
-        yield c
+    yield srv
     srv.stop()
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+        yield c
 
 
 def chat(c, **kw):
@@ -112,3 +117,22 @@ def test_forced_tool_choice_makes_a_valid_call_and_streams_the_same(client, choi
 def test_tool_choice_none_answers_in_prose(client):
     (c,) = chat(client, tools=TOOLS, tool_choice="none", max_tokens=8).choices
     assert not c.message.tool_calls and c.message.content and c.finish_reason in ("stop", "length"), c
+
+
+def test_an_agent_turn_with_content_null_renders_as_transformers_renders_empty_content(server, client,
+                                                                                       hf_smollm2_tokenizer):
+    """The assistant's tool-call turn comes back with content null and a tool message follows:
+    the server renders null as empty (vLLM's way; SmolLM2's template cannot take null), so the
+    prompt's ids are transformers' apply_chat_template on the same turn with content "", and the
+    conversation goes on."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    status, _, body = server.request("POST", "/tokenize", {"model": NAME, "messages": msgs, "tools": TOOLS})
+    assert status == 200, body
+    want = hf_smollm2_tokenizer.apply_chat_template([{**m, "content": m["content"] or ""} for m in msgs],
+                                                    tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert json.loads(body)["tokens"] == list(want)
+    (c,) = chat(client, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4).choices
+    assert c.message.content and not c.message.tool_calls
