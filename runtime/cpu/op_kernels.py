@@ -134,7 +134,9 @@ def rope_kv(q, k, v, cache, positions, slots, cos, sin, rd, neox, qn, kn, eps, o
 def paged_attention(q, cache, block_table, seq_lens, qsl, scale, window, out, seq_of):
     """q: [>=T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32 [S, MB]; seq_lens: i32 [S];
     qsl: i32 [S+1]; seq_of: i32 [T] (the sequence of each query row) -> out [>=T, H, D].
-    Causal, GQA; a row at position p sees keys max(0, p - window + 1) .. p (window 0: all)."""
+    Causal, GQA; a row at position p sees keys max(0, p - window + 1) .. p (window 0: all).
+    Scores of a row go to a scratch row, then one pass of exp and the weighted sum of values;
+    everything is indexed element by element (a view per key cost a reference count each)."""
     T = seq_of.shape[0]
     H, D = q.shape[1], q.shape[2]
     BS, Hkv = cache.shape[2], cache.shape[3]
@@ -147,23 +149,22 @@ def paged_attention(q, cache, block_table, seq_lens, qsl, scale, window, out, se
         lo = max(0, p - window + 1) if window > 0 else 0
         kh = h // g
         sc = np.empty(p + 1 - lo, np.float32)
+        acc = np.zeros(D, np.float32)
         mx = -np.inf
         for key in range(lo, p + 1):
-            kr = cache[block_table[s, key // BS], 0, key % BS, kh]
+            blk, off = block_table[s, key // BS], key % BS
             a = np.float32(0)
             for i in range(D):
-                a += q[t, h, i] * kr[i]
+                a += q[t, h, i] * cache[blk, 0, off, kh, i]
             a *= np.float32(scale)
             sc[key - lo] = a
             mx = max(mx, a)
         den = np.float32(0)
-        o = out[t, h]
-        o[:] = 0
         for key in range(lo, p + 1):
+            blk, off = block_table[s, key // BS], key % BS
             e = np.exp(sc[key - lo] - mx)
             den += e
-            vr = cache[block_table[s, key // BS], 1, key % BS, kh]
             for i in range(D):
-                o[i] += e * vr[i]
+                acc[i] += e * cache[blk, 1, off, kh, i]
         for i in range(D):
-            o[i] /= den
+            out[t, h, i] = acc[i] / den
