@@ -21,6 +21,7 @@ import numpy as np
 
 from kiln.codegen.buckets import Bucket
 from kiln.codegen.triton import attention_preamble as k_pre
+from kiln.codegen.triton import collective as k_coll
 from kiln.codegen.triton import fp8_gemm as k_fp8
 from kiln.codegen.triton import fp8_quant as k_quant
 from kiln.codegen.triton import gather as k_gather
@@ -532,6 +533,60 @@ class _Lowerer:
         k_gdn.sigmoid_mul(xb, gb, yb, n_rows=self.n_rows(x), add=addend)
         if fused is not None:
             self.done.add(fused.name)
+
+    # -- tensor parallel (issue 44, docs/TENSOR_PARALLEL.md): one plan for every rank --------
+    # Every rank's plan is the same (same shapes, same arena offsets), so rank r's copy of a
+    # tensor sits at the same arena offset in rank r's arena: region "tp_arena:r" is rank r's
+    # arena mapped into this rank (its own for r = rank), resolved per rank at load like
+    # "tp_flags:r" (rank r's barrier flags), "tp_own_flags", "tp_epoch", "tp_rank" and
+    # "tp_vocab_start" (this rank's first vocabulary id). The runtime that maps them is not built.
+    def _tp_peers(self, name: str, world: int) -> list[Buf]:
+        t = self.g.tensors[name]
+        if t.kind != TensorKind.ACTIVATION or name not in self.plan.offsets or self.g.producer(name).op in (
+                "reshape", "slice_cols"):
+            raise LoweringError(f"a collective's input must be an arena tensor of its own ({name})")
+        off = self.plan.offsets[name]
+        return [Buf(ptr=self.regions.ptr(f"tp_arena:{r}", off), shape=t.concrete_shape(self.dims),
+                    dtype=to_numpy(t.dtype)) for r in range(world)]
+
+    def _tp_barrier(self, world: int) -> None:
+        i32 = np.int32
+        for r in range(world):
+            self.regions.need(f"tp_flags:{r}", 4 * world)
+        for name, n in (("tp_own_flags", world), ("tp_epoch", 1), ("tp_rank", 1)):
+            self.regions.need(name, 4 * n)
+        k_coll.barrier([Buf(ptr=self.regions.ptr(f"tp_flags:{r}"), shape=(world,), dtype=i32) for r in range(world)],
+                       Buf(ptr=self.regions.ptr("tp_own_flags"), shape=(world,), dtype=i32),
+                       Buf(ptr=self.regions.ptr("tp_epoch"), shape=(1,), dtype=i32),
+                       Buf(ptr=self.regions.ptr("tp_rank"), shape=(1,), dtype=i32))
+
+    def op_all_reduce(self, node) -> None:
+        """barrier (every rank's partial written), the rank-order sum, barrier (every rank done
+        reading before any partial's bytes are reused)."""
+        (x,), (out,) = node.inputs, node.outputs
+        world = int(node.attrs["world_size"])
+        peers = self._tp_peers(x, world)
+        self._tp_barrier(world)
+        k_coll.all_reduce(peers, self.buf(out), n_rows=self.n_rows(out))
+        self._tp_barrier(world)
+
+    def op_all_gather(self, node) -> None:
+        (x,), (out,) = node.inputs, node.outputs
+        world = int(node.attrs["world_size"])
+        peers = self._tp_peers(x, world)
+        self._tp_barrier(world)
+        k_coll.all_gather(peers, int(node.attrs["size"]), self.buf(out), n_rows=self.n_rows(out))
+        self._tp_barrier(world)
+
+    def op_vocab_parallel_embedding(self, node) -> None:
+        """The rank's first id from the device; every id < V, so a rank's padding rows (ids
+        vocab_end .. vocab_start + Vp) are never asked for and every rank takes Vp rows."""
+        ids, table = node.inputs
+        self.regions.need("tp_vocab_start", 4)
+        vp = int(self.g.tensors[table].shape[0])
+        k_coll.vocab_embedding(self.buf(ids), self.buf(table), Buf(ptr=self.regions.ptr("tp_vocab_start"),
+                                                                     shape=(1,), dtype=np.int32),
+                               vp, self.buf(node.outputs[0]), n_rows=self.n_rows(node.outputs[0]))
 
     def op_moe_router(self, node) -> None:
         (logits,) = node.inputs

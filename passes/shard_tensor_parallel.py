@@ -194,7 +194,10 @@ class ShardTensorParallel(Pass):
             self._follow(graph, node, "all_reduce", world_size=self.n)
         for node in row_parallel:
             self._follow(graph, node, "all_reduce", world_size=self.n)
-        for node in lm_heads:
+        for node in lm_heads:  # after the f32 cast where there is one: it folds into the head's GEMM
+            users = graph.consumers(node.outputs[0])
+            if len(users) == 1 and users[0].op == "cast" and node.outputs[0] not in graph.outputs:
+                node = users[0]
             self._follow(graph, node, "all_gather", world_size=self.n, size=self.d.vocab_size)
         graph.rebuild_edges()
         self._reinfer(graph, {n: tuple(t.shape) for n, t in graph.tensors.items()})

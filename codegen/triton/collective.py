@@ -101,6 +101,38 @@ def vocab_embedding_kernel(ids_ptr, table_ptr, out_ptr, n_rows_ptr, vocab_start_
     tl.store(out_ptr + i.to(tl.int64) * N + cols, v, mask=mask)
 
 
+@triton.jit
+def barrier_kernel(f0, f1, f2, f3, f4, f5, f6, f7, own_ptr, epoch_ptr, rank_ptr, WORLD: tl.constexpr):
+    # grid: (1,). f_r: rank r's flag array i32[WORLD] (peer memory; f_r[j] = the last epoch rank j
+    # announced to r), own_ptr: this rank's own flag array, epoch_ptr: this rank's counter i32[1]
+    # (device memory, so each replay of a captured graph advances it), rank_ptr: i32[1], this rank.
+    # Announce epoch e to every rank (release: the partials written before are visible to whoever
+    # sees e), then wait until every rank has announced e here (acquire). vLLM's custom
+    # all-reduce barrier (csrc/custom_all_reduce.cuh) in one program, over Triton's atomics.
+    e = tl.load(epoch_ptr) + 1
+    tl.store(epoch_ptr, e)
+    me = tl.load(rank_ptr)
+    for r in tl.static_range(0, WORLD):
+        tl.atomic_xchg(_peer(f0, f1, f2, f3, f4, f5, f6, f7, r) + me, e, sem="release", scope="sys")
+    for r in tl.static_range(0, WORLD):
+        seen = tl.atomic_add(own_ptr + r, 0, sem="acquire", scope="sys")
+        while seen < e:
+            seen = tl.atomic_add(own_ptr + r, 0, sem="acquire", scope="sys")
+
+
+def barrier_spec(world: int) -> KernelSpec:
+    return KernelSpec(module=__name__, kernel="barrier_kernel",
+                      signature={**{f"f{r}": "*i32" for r in range(MAX_WORLD)}, "own_ptr": "*i32",
+                                 "epoch_ptr": "*i32", "rank_ptr": "*i32"},
+                      constexprs=dict(WORLD=world), grid=(1,), num_warps=1, num_stages=1)
+
+
+def barrier(flags: list, own, epoch, rank) -> None:
+    """flags: every rank's flag array (rank order; own is this rank's, also among them)."""
+    bufs = [as_buf(f) for f in flags]
+    launch(barrier_spec(len(bufs)), [*_peers(bufs), as_buf(own), as_buf(epoch), as_buf(rank)])
+
+
 def _peers(parts: list) -> list:
     check(1 <= len(parts) <= MAX_WORLD, f"collectives take 1..{MAX_WORLD} ranks, got {len(parts)}")
     return list(parts) + [parts[0]] * (MAX_WORLD - len(parts))  # unused slots: any valid pointer

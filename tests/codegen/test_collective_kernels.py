@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.codegen.triton.collective import (all_gather, all_gather_spec, all_reduce, all_reduce_spec,
+from kiln.codegen.triton.collective import (all_gather, all_gather_spec, all_reduce, all_reduce_spec, barrier_spec,
                                             vocab_embedding, vocab_embedding_spec)
 from kiln.graph.collective_ops import all_gather_reference, all_reduce_reference, vocab_parallel_embedding
 from tests.codegen.helpers import BF16, require_interpreter
@@ -59,6 +59,22 @@ def test_collective_kernels_compile_for_both_archs(tmp_path):
     from kiln.codegen.triton.aot import compile_specs
 
     specs = [all_reduce_spec(64, 4096, 2), all_reduce_spec(1, 4096, 8), all_gather_spec(8, 64128, 128256, 2),
-             vocab_embedding_spec(64, 4096)]
+             vocab_embedding_spec(64, 4096), barrier_spec(2), barrier_spec(8)]
     out = compile_specs([(s, a) for s in specs for a in ("sm_90", "sm_121")], cache_dir=tmp_path)
-    assert len(out) == 8 and all(c.cubin for c in out)
+    assert len(out) == 12 and all(c.cubin[:4] == b"\x7fELF" for c in out)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_barrier_announces_its_epoch_to_every_rank_and_passes_once_all_have():
+    """Rank 1 of 3 at its third barrier: ranks 0 and 2 have announced epoch 3 to it already (as
+    they would from their GPUs); it writes 3 into every rank's flag slot for rank 1, advances its
+    counter, and returns (a rank still at 2 would keep it waiting: not testable in one process)."""
+    flags = [np.zeros(3, np.int32) for _ in range(3)]
+    flags[1][:] = [3, 2, 3]  # rank 1's own array: 0 and 2 announced 3; its own slot is written by itself
+    epoch, rank = np.array([2], np.int32), np.array([1], np.int32)
+    from kiln.codegen.triton.collective import barrier
+
+    barrier(flags, flags[1], epoch, rank)
+    assert epoch[0] == 3
+    assert [f[1] for f in flags] == [3, 3, 3]
+    assert flags[0][0] == 0 and flags[2][2] == 0  # nothing else written
