@@ -134,7 +134,10 @@ class MultiprocExecutor:
                 except (EOFError, OSError):
                     self._fail(self._gone(rank))
                 if kind == "error":
-                    self._fail(f"tensor-parallel worker {rank} failed:\n{payload}")
+                    tb, user_error = payload
+                    if user_error is not None:  # a KilnError (a bad checkpoint, ...): its one sentence
+                        self._fail(str(user_error), user_error)
+                    self._fail(f"tensor-parallel worker {rank} failed:\n{tb}")
                 replies[rank] = payload
         return [replies[r] for r in range(self.world_size)]
 
@@ -148,7 +151,7 @@ class MultiprocExecutor:
                else f"exit code {code}")
         return f"tensor-parallel worker {rank} (pid {p.pid}) died ({how})"
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, error: BaseException | None = None) -> None:
         self._dead = message
         self._finalizer()
-        raise WorkerDiedError(message)
+        raise error if error is not None else WorkerDiedError(message)

@@ -35,9 +35,12 @@ def serve(conn: Connection) -> int:
                 return 0
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         return 0  # the executor went away
-    except BaseException:
+    except BaseException as e:
+        from kiln.errors import KilnError
+
+        user = e if isinstance(e, KilnError) else None  # one sentence a user can act on: passed on as is
         try:
-            conn.send(("error", traceback.format_exc(limit=20)))
+            conn.send(("error", (traceback.format_exc(limit=20), user)))
         except OSError:
             pass
         return 1

@@ -237,3 +237,24 @@ def test_hybrid_moe_tp2_with_prefix_cache_snapshots_equals_n1(tmp_path, monkeypa
         assert two.stats()["prefix_cache_hit_rate"] > 0.3
     finally:
         two.model.executor.shutdown()
+
+
+def test_a_worker_that_cannot_load_its_weights_says_why_in_one_sentence(tiny_dir, tmp_path):
+    """A checkpoint missing a tensor is found by the workers (the parent reads no weights): their
+    one sentence reaches the caller as the loader's own error, and no worker is left running."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from kiln.errors import InvalidModelError
+
+    shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
+    weights = load_file(tiny_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    before = set(_children(os.getpid()))
+    with pytest.raises(InvalidModelError) as e:
+        LLM(tmp_path, skip_tokenizer_init=True, tensor_parallel_size=2)
+    assert str(e.value) == f"model {tmp_path / 'model.safetensors'} has no tensor named " \
+                           "'model.layers.1.mlp.down_proj.weight'"
+    assert _gone(set(_children(os.getpid())) - before)
