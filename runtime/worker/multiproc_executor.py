@@ -66,7 +66,9 @@ class MultiprocExecutor:
         self._dead: str | None = None
         threads = max(1, (os.cpu_count() or 1) // world_size)  # the ranks share the cores: no oversubscribed BLAS
         env = {**os.environ, **{k: os.environ.get(k, str(threads)) for k in
-                                ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
+                                ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")},
+               # the caller's import path, as multiprocessing's spawn hands it on: make_worker unpickles there
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._finalizer = weakref.finalize(self, _kill, self.procs, self.group)
         for rank in range(world_size):
             mine, theirs = socket.socketpair()
