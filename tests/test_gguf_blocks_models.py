@@ -190,3 +190,18 @@ def test_moe_experts_in_their_blocks(tmp_path, caplog):
     at_load = load(tmp_path / "q8.gguf", tokenizer=False, kv_cache_tokens=256)
     assert "moe_experts_gguf" not in [n.op for n in at_load.graph.nodes.values()]
     assert _step(lm.executor).tobytes() == _step(at_load.executor).tobytes()
+
+
+def test_other_types_keep_dequantise_at_load(tmp_path, hf_llama, caplog):
+    """A type kiln has no block kernel for (Q5_0 here) keeps today's path: its linear reads the
+    weight dequantised at load, beside the others' blocks, and the log names it."""
+    mix = dict(MIXES["legacy"], v_proj="Q5_0", embed=None)
+    held = write_llama_gguf(tmp_path / "m.gguf", hf_llama, mix)
+    with caplog.at_level(logging.INFO, logger="kiln.loader"):
+        lm = load(tmp_path / "m.gguf", tokenizer=False, gguf_blocks=True, kv_cache_tokens=256)
+    linears = {n.name: n.op for n in lm.graph.nodes.values() if n.op.startswith("linear")}
+    assert linears["layers.0.v_proj"] == "linear" and linears["layers.0.q_proj+k_proj"] == "linear_gguf"
+    assert "dequantised at load: model.layers.*.self_attn.v_proj.weight (Q5_0)" in caplog.text
+    want = _transformers_logits(hf_llama, held)
+    got = _step(lm.executor)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
