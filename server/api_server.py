@@ -70,8 +70,14 @@ def listen(app, config: ServerConfig, host: str, port: int, sockets: Optional[li
 
 
 async def serve(engine, config: ServerConfig, host: str, port: int, *, load_seconds: float = 0.0,
-                stop: Optional[asyncio.Event] = None, sockets: Optional[list] = None) -> None:
-    """Serve until `stop` is set or SIGINT/SIGTERM arrives (on `sockets` if bound already)."""
+                stop: Optional[asyncio.Event] = None, sockets: Optional[list] = None) -> int:
+    """Serve until `stop` is set, SIGINT/SIGTERM arrives or the engine dies; -> the exit code.
+
+    Stopping (issue 42 "Faults") stops listening, answers new requests and /health with 503,
+    lets the requests in flight finish for config.shutdown_timeout seconds, then aborts the
+    rest (a stream's last frame is an error event) and returns 0. An engine that died (it
+    raised inside a step) has already failed every request in flight: the server then stops
+    at once and returns 1, as vLLM's API server exits when its engine dies."""
     app = make_app(engine, config)
     try:
         srv = listen(app, config, host, port, sockets)
@@ -85,12 +91,52 @@ async def serve(engine, config: ServerConfig, host: str, port: int, *, load_seco
             loop.add_signal_handler(sig, stop.set)
     print(f"[kiln] serving {', '.join(config.served_model_names)} on http://{host}:{srv.port} "
           f"(model loaded in {load_seconds:.1f} s; max_model_len {engine.max_model_len})", flush=True)
+    state = app.state
+    code = 0
     try:
-        await stop.wait()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), ENGINE_WATCH_S)
+            except asyncio.TimeoutError:
+                pass
+            if engine.errored:
+                print(f"[kiln] the engine failed ({engine.dead_error!r}); stopping the server", file=sys.stderr,
+                      flush=True)
+                code = 1
+                break
+        state.draining = True  # new requests and /health: 503
+        srv.http_server.stop()  # no new connections
+        if code == 0:
+            await _drain(state, config.shutdown_timeout)
+        await _settle(state, 5.0)  # the requests' last frames go out
     finally:
         await srv.close()
         engine.shutdown()
+        state.pool.shutdown(wait=False)
     print("[kiln] server stopped", file=sys.stderr, flush=True)
+    return code
+
+
+ENGINE_WATCH_S = 0.25  # how often serve() looks whether the engine died
+
+
+async def _drain(state, timeout: float) -> None:
+    """Let the requests in flight finish for `timeout` seconds, then abort the rest: each ends
+    with an error (a 503, or an error event as a stream's last frame)."""
+    deadline = time.monotonic() + timeout
+    while state.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.active:
+        print(f"[kiln] aborting {len(state.active)} request(s) still running after the {timeout:g} s shutdown "
+              "timeout", file=sys.stderr, flush=True)
+        for handler in list(state.active):
+            handler.abort_for_shutdown()
+
+
+async def _settle(state, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while state.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def run_server(args, config: ServerConfig, host: str, port: int, *, engine_process: bool = True) -> int:
@@ -116,5 +162,4 @@ def run_server(args, config: ServerConfig, host: str, port: int, *, engine_proce
         for sock in sockets:
             sock.close()
         raise
-    asyncio.run(serve(engine, config, host, port, load_seconds=load_s, sockets=sockets))
-    return 0
+    return asyncio.run(serve(engine, config, host, port, load_seconds=load_s, sockets=sockets))

@@ -72,6 +72,8 @@ class OpenAIServingHandler(BaseHandler):
                               "priority")
         if self.state.engine.errored:
             raise APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
+        if self.state.draining:
+            raise shutting_down()
 
     async def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool, param: str,
                        limit: Optional[int] = None) -> list[int]:
@@ -183,15 +185,25 @@ class OpenAIServingHandler(BaseHandler):
         if seqs > bound:
             raise bad_request(f"This request runs {seqs} sequences (prompts x n); the server takes at most {bound} "
                               "at once.", param)
+        if state.draining:
+            raise shutting_down()
         if state.admitted + seqs > bound:
             raise APIError(503, f"The server is at its limit of {bound} sequences running or waiting; retry shortly.",
                            code="server_overloaded", headers={"Retry-After": "1"})
         state.admitted += seqs
         self._admitted = seqs
+        state.active.add(self)
 
     def _release(self) -> None:
         seqs, self._admitted = getattr(self, "_admitted", 0), 0
         self.state.admitted -= seqs
+        self.state.active.discard(self)
+
+    def abort_for_shutdown(self) -> None:
+        """The server stops: abort this request's engine requests; its response ends with an error
+        (outputs() raises shutting_down() once the collectors close)."""
+        self._shutdown_abort = True
+        self.state.engine.abort_nowait(self._request_ids)
 
     def on_finish(self) -> None:
         self._release()
@@ -211,6 +223,7 @@ class OpenAIServingHandler(BaseHandler):
                 except Exception as e:
                     raise engine_error(e) from None
                 if ro is None:
+                    self._raise_if_shut_down()
                     return
                 yield 0, ro
                 if ro.finished:
@@ -235,12 +248,17 @@ class OpenAIServingHandler(BaseHandler):
                 if err is not None:
                     raise engine_error(err) from None
                 if ro is None:
+                    self._raise_if_shut_down()
                     live -= 1
                     continue
                 yield i, ro
         finally:
             for t in tasks:
                 t.cancel()
+
+    def _raise_if_shut_down(self) -> None:
+        if getattr(self, "_shutdown_abort", False):
+            raise shutting_down()
 
     # ------------------------------------------------------------ Server-Sent Events
 
@@ -280,6 +298,10 @@ class OpenAIServingHandler(BaseHandler):
             await events.aclose()  # stops the fan-in tasks now, not when the generator is collected
         if not self.client_gone:
             self.finish()
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; this request was stopped.", code="shutting_down")
 
 
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id / X-Request-Id, echoed in every chunk and header

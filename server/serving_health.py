@@ -10,6 +10,8 @@ from kiln.server.errors import APIError
 class HealthHandler(BaseHandler):
     async def get(self) -> None:
         engine = self.state.engine
+        if self.state.draining:
+            raise APIError(503, "The server is shutting down.", code="shutting_down")
         if not engine.is_running:
             raise APIError(503, "The engine has stopped; the server cannot serve requests.", code="engine_dead")
         stalled = getattr(engine, "stalled_for", 0.0)  # busy with no step done (AsyncLLM.stall_timeout)

@@ -32,6 +32,7 @@ class ServerConfig:
     tool_call_parser: Optional[str] = None  # server/tool_parsers: reads tool calls out of the output
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     limits: RequestLimits = RequestLimits()  # what one request may ask, how many may wait (--max-* flags)
+    shutdown_timeout: float = 30.0  # SIGTERM: seconds the requests in flight get to finish
 
 
 @dataclass
@@ -43,6 +44,8 @@ class ServerState:
     # parsing, chat rendering and tokenization of large inputs (threads start on first use)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "kiln-server-input"))
     admitted: int = 0  # engine sequences of the requests in flight (the waiting bound counts these)
+    active: set = field(default_factory=set)  # the handlers with requests in the engine
+    draining: bool = False  # shutting down: new requests and /health get 503
 
     async def run_sized(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), on a worker thread when the input is larger than OFF_LOOP_BYTES."""

@@ -40,6 +40,7 @@ The worker serves runners whose execute_model computes (the numpy executor).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable
@@ -49,6 +50,10 @@ from kiln.runtime.core.request import Request, RequestStatus
 from kiln.runtime.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kiln.runtime.core.scheduler import Scheduler
 from kiln.runtime.core.scheduler_stats import SchedulerStats
+
+
+class InjectedFault(RuntimeError):
+    """What KILN_FAULT_AFTER_STEPS makes a step raise."""
 
 
 class EngineCore:
@@ -70,6 +75,10 @@ class EngineCore:
         self._driver = threading.get_ident()
         if self.async_scheduling:
             runner.defer_outputs = True
+        # A test hook (issue 42 "Faults"): with KILN_FAULT_AFTER_STEPS=N in the environment, the
+        # step after N steps raises as a failing executor would, so the server's handling of an
+        # engine that dies can be tested on a real engine. Unset, it costs one comparison a step.
+        self._fault_after = int(os.environ.get("KILN_FAULT_AFTER_STEPS", "0") or 0)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -102,8 +111,13 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         so = self.scheduler.schedule()
-        runner_out = self.runner.execute_model(so)
+        runner_out = self._execute(so)
         return self._finish_step(so, runner_out)
+
+    def _execute(self, so: SchedulerOutput):
+        if self._fault_after and self.num_steps >= self._fault_after:
+            raise InjectedFault(f"injected executor fault after {self.num_steps} steps (KILN_FAULT_AFTER_STEPS)")
+        return self.runner.execute_model(so)
 
     def _finish_step(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(so, runner_out)
@@ -126,7 +140,7 @@ class EngineCore:
         if self._inline:
             fut: Future = Future()
             try:
-                fut.set_result(self.runner.execute_model(so))
+                fut.set_result(self._execute(so))
             except BaseException as e:  # raised where the worker's would be: at result()
                 fut.set_exception(e)
             return fut
@@ -134,7 +148,7 @@ class EngineCore:
             # an executor bound to a thread-local state (the CUDA context) is bound to the worker
             bind = getattr(self.runner.executor, "bind_thread", None)
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-execute", initializer=bind)
-        return self._worker.submit(self.runner.execute_model, so)
+        return self._worker.submit(self._execute, so)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Keep up to two steps in flight; -> the outputs of the oldest, once it is done.
