@@ -18,8 +18,10 @@ chains it into the f32 accumulator with tl.dot, like codegen/triton/gemm.py's K 
 - the f16 fields (d, dmin, m) are read through a second pointer to the same bytes typed f16
   (`wh`): every type's block size TS is even and its f16 fields sit at even offsets, so with
   an even row length they are 2-byte aligned.
-Not tuned on a GPU yet: the per-element byte gathers hit L1 (a block's scales serve 32 or 256
-columns), and no split-K means few programs for a small N at batch 1.
+On sm_90 the PTX is the bf16 GEMM's: mma.sync m16n8k16 for the 16-row decode tiles, wgmma for
+64 rows and more (tests/codegen/test_bundle_gguf.py). Not run or tuned on a GPU yet: the
+per-element byte gathers should hit L1 (a block's scales serve 32 or 256 columns), and no split-K
+means few programs for a small N at batch 1 (SmolLM2's o_proj: 18 programs of 32 columns).
 
 Padded rows: programs whose first row is >= *n_rows_ptr return at once; rows past it are
 garbage the graph never reads. Rows of W past N are clamped to N - 1 (read, never stored).
