@@ -9,6 +9,7 @@ against
   same passes and split-K off (the GGUF kernel has none): the same logits, bit for bit, in a padded
   mixed step and the decode step after it. The in-kernel dequantisation then rounds every weight
   as the load-time cast does and the K order is the bf16 GEMM's.
+And a Qwen3-MoE whose experts stay in blocks (op_moe_experts_gguf), the same way.
 """
 from __future__ import annotations
 
@@ -90,3 +91,46 @@ def test_gguf_plan_is_the_dequantised_plan_bit_for_bit():
     for (got, _), (want, _), what in zip(run.prefill_then_decode(), ref.prefill_then_decode(), ("mixed", "decode")):
         assert same_bits(got, want), f"{what} step: the GGUF plan's logits differ from the dequantised plan's"
 
+
+
+def test_gguf_moe_plan_is_the_dequantised_plan_bit_for_bit():
+    """Qwen3-MoE with its experts in blocks (gate/up Q4_1 stacked per layer, down Q8_0; attention
+    bf16): the decode bucket (8 assignments: the decode path) and the mixed one (128: align +
+    grouped GEMMs + sum) give the plan's logits with the experts dequantised at load, bit for bit."""
+    from collections import Counter
+
+    from kiln.graph.gguf_blocks import row_bytes
+
+    base = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 1,
+                                     "max_position_embeddings": MAX_LEN, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "decoder_sparse_step": 1, "norm_topk_prob": True})
+    types = tuple((f"model.layers.{i}.mlp.experts.{w}_proj.weight", q) for i in range(1)
+                  for w, q in (("gate", "Q4_1"), ("up", "Q4_1"), ("down", "Q8_0")))
+    cfg = dataclasses.replace(base, quantization=GgufConfig(types))
+    gg, plain = _graph(cfg), _graph(base)
+    rng = np.random.default_rng(1)
+    w_plain = {n: (rng.standard_normal(s) * (0.3 if len(s) == 1 else 0.5 / s[-1] ** 0.5)
+                   + (1.0 if n.endswith("norm.weight") else 0.0)).astype(BF16)
+               for n, s in plain.checkpoint_weights().items() if "experts" not in n}
+    w_gguf = dict(w_plain)
+    e, h, i = 4, BASE["hidden_size"], 32
+    for layer in range(1):
+        x = f"model.layers.{layer}.mlp.experts"
+        w13 = random_matrix("Q4_1", e * 2 * i, h, rng, scale=0.3 / h ** 0.5).reshape(e, 2 * i, row_bytes("Q4_1", h))
+        w2 = random_matrix("Q8_0", e * h, i, rng, scale=0.3 / i ** 0.5).reshape(e, h, row_bytes("Q8_0", i))
+        w_gguf[f"{x}.gate_up_proj{SUFFIX}"], w_gguf[f"{x}.down_proj{SUFFIX}"] = w13, w2
+        w_plain[f"{x}.gate_up_proj"] = gguf_dequantize(w13, GGMLQuantizationType.Q4_1).astype(BF16)
+        w_plain[f"{x}.down_proj"] = gguf_dequantize(w2, GGMLQuantizationType.Q8_0).astype(BF16)
+    for graph, weights in ((gg, w_gguf), (plain, w_plain)):
+        for t in graph.weights:
+            if t.parts:
+                weights[t.name] = stack_parts([weights[p] for p, _ in t.parts], t.interleave)
+    run, ref = _Plan(cfg, gg, w_gguf, Configs(lookup=_no_split)), _Plan(base, plain, w_plain, Configs(lookup=_no_split))
+    for b in BUCKETS:
+        kernels = Counter(spec.kernel for spec, _ in run.lowered[b])
+        assert kernels["moe_gate_up_kernel"] == kernels["moe_down_kernel"] == 1
+        assert kernels["moe_align_kernel"] == (0 if b.decode else 1)
+        assert all(spec.signature["w_ptr"] == "*u8" for spec, _ in run.lowered[b]
+                   if spec.kernel in ("moe_gate_up_kernel", "moe_down_kernel"))
+    for (got, _), (want, _), what in zip(run.prefill_then_decode(), ref.prefill_then_decode(), ("mixed", "decode")):
+        assert same_bits(got, want), f"{what} step: the GGUF MoE plan's logits differ from the dequantised plan's"
