@@ -47,6 +47,9 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 1e-6, 1e6  # past these every seen token's fate is fixed anyway
+
+
 def _fail(field: str, message: str) -> None:
     raise InvalidSamplingParamsError(field, message)
 
@@ -127,9 +130,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 _fail(name, f"{name} must be in [-2, 2], got {value}.")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
-            _fail("repetition_penalty",
-                  f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.")
+        # Bounded both ways, not only > 0: the penalty divides or multiplies f32 logits, and one that
+        # rounds to 0 or past 1e38 in f32 made them inf, then NaN (found by tests/server/test_openapi.py).
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            _fail("repetition_penalty", f"repetition_penalty must be in [{REPETITION_PENALTY_MIN:g}, "
+                  f"{REPETITION_PENALTY_MAX:g}], got {self.repetition_penalty}.")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             _fail("temperature", f"temperature must be a finite non-negative number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

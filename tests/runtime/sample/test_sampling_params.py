@@ -30,6 +30,7 @@ def test_defaults_match_vllm():
     ("presence_penalty", 2.5), ("presence_penalty", -2.1),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("repetition_penalty", 1e-320), ("repetition_penalty", 1e39),  # 0 or inf in f32: NaN logits
     ("logprobs", -2), ("prompt_logprobs", -5),
     ("stop", ""), ("stop", ["ok", ""]),
     ("stop_token_ids", [1, "2"]),
