@@ -4,6 +4,7 @@
     GET  /v1/models, /v1/models/{id}              the served model
     POST /tokenize, /detokenize                   vLLM's tokenizer endpoints
     GET  /health, /version, /metrics              operations (no API key, as vLLM)
+    GET  /openapi.json                            every route and body above (server/openapi.py)
 
 Every error is JSON in OpenAI's shape: unknown route 404, wrong method 405, body over
 the limit 413, bad or missing API key 401 (on /v1/* and the tokenizer endpoints).
@@ -16,6 +17,7 @@ import tornado.web
 
 from kiln.server.base_handler import NotFoundHandler
 from kiln.server.metrics import MetricsHandler, PrometheusStatLogger
+from kiln.server.openapi import OpenAPIHandler
 from kiln.server.serving_chat import ChatCompletionHandler
 from kiln.server.serving_completion import CompletionHandler
 from kiln.server.serving_health import HealthHandler, VersionHandler
@@ -56,6 +58,7 @@ def make_app(engine, config: Optional[ServerConfig] = None, **settings) -> torna
         (r"/health", HealthHandler, s),
         (r"/version", VersionHandler, s),
         (r"/metrics", MetricsHandler, s),
+        (r"/openapi.json", OpenAPIHandler, s),
     ]
     app = tornado.web.Application(routes, default_handler_class=NotFoundHandler, default_handler_args=s,
                                   serve_traceback=False, compress_response=False, **settings)
