@@ -13,12 +13,34 @@ sums do not depend on T.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from kiln.runtime.cpu import linear_kernels as K
 from kiln.runtime.cpu.packed import PackedWeight
 
 GEMM_MIN_TOKENS = 32
+# Below this many multiply-adds a parallel kernel runs on the calling thread alone: SmolLM2's
+# q/k/v [960, 576] and o [576, 576] GEMVs are 30-45 us of work on one core, about what a fork/join
+# of the pool costs when idle, and a join that waits for a core another process holds cost ~5 ms
+# each (decode fell to 0.95 tok/s at load average 7.8 on the 2-core machine, 11.3 on one thread).
+PARALLEL_MIN_WORK = 1 << 20
+
+
+def run_sized(work: int, fn, *args) -> None:
+    """fn(*args) on one thread where `work` is too small to share (see PARALLEL_MIN_WORK)."""
+    if work >= PARALLEL_MIN_WORK:
+        fn(*args)
+        return
+    n = numba.get_num_threads()
+    if n == 1:
+        fn(*args)
+        return
+    numba.set_num_threads(1)
+    try:
+        fn(*args)
+    finally:
+        numba.set_num_threads(n)
 
 
 class Scratch:
@@ -35,12 +57,13 @@ class Scratch:
 
 def gemv(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int) -> None:
     """y[:T] = x[:T] @ W.T with the compiled kernel (y: [>= T, w.n])"""
+    work = w.n * w.k * T
     if w.kind == "q4":
-        K.gemv_q4(x, w.q, w.d, w.m, y, T)
+        run_sized(work, K.gemv_q4, x, w.q, w.d, w.m, y, T)
     elif w.kind == "q8":
-        K.gemv_q8(x, w.q, w.d, y, T)
+        run_sized(work, K.gemv_q8, x, w.q, w.d, y, T)
     else:
-        K.gemv_f32(x, w.q, y, T)
+        run_sized(work, K.gemv_f32, x, w.q, y, T)
 
 
 def dequant_t(w: PackedWeight, out: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from kiln.graph.rope import rope_tables
 from kiln.runtime.cpu import linear_kernels as LK
 from kiln.runtime.cpu import op_kernels as OK
 from kiln.runtime.cpu.arena import Arena, ArenaLayout
-from kiln.runtime.cpu.linear import Scratch, dequant_rows, linear
+from kiln.runtime.cpu.linear import Scratch, dequant_rows, linear, run_sized
 from kiln.runtime.cpu.packed import PackedWeight
 
 VIEW_OPS = ("reshape", "slice_cols")
@@ -61,6 +61,7 @@ class StepContext:
     L: int
     inp: dict[str, np.ndarray]
     seq_of: np.ndarray
+    max_len: int = 0  # the longest context in the step (attention's work)
 
 
 @dataclass
@@ -305,8 +306,9 @@ class Plan:
 
         def make(buf):
             qv, c, o = buf(q), buf(self._base(cache)), buf(outs[0])
-            return lambda ctx: OK.paged_attention(qv, c, ctx.inp[bt], ctx.inp[sl], ctx.inp[qsl], scale, window,
-                                                  o, ctx.seq_of)
+            hd = qv.shape[1] * qv.shape[2]
+            return lambda ctx: run_sized(ctx.T * ctx.max_len * hd, OK.paged_attention, qv, c, ctx.inp[bt],
+                                         ctx.inp[sl], ctx.inp[qsl], scale, window, o, ctx.seq_of)
         return Step(node.name, (OK.paged_attention,), make)
 
     def _op_gather_rows(self, node, attrs, ins, outs) -> Step:

@@ -30,13 +30,13 @@ QuantizedLoader = Callable[[str], "tuple[str, np.ndarray] | None"]
 LINEAR_OPS = ("linear", "linear_add", "linear_silu_mul", "linear_rope")
 
 
-def cpu_threads() -> int:
-    """KILN_CPU_THREADS, else every core numba sees."""
+def cpu_threads() -> int | None:
+    """KILN_CPU_THREADS, else None (every core numba sees, or one: ThreadChooser)."""
     import numba
 
     v = os.environ.get("KILN_CPU_THREADS")
     if v is None:
-        return numba.config.NUMBA_NUM_THREADS
+        return None
     try:
         n = int(v)
     except ValueError:
@@ -46,6 +46,35 @@ def cpu_threads() -> int:
     return min(n, numba.config.NUMBA_NUM_THREADS)
 
 
+class ThreadChooser:
+    """How many threads decode steps use when KILN_CPU_THREADS does not say: all cores, unless one
+    thread has been faster lately. On the 2-core machine with other work on it, every parallel
+    loop waited for a core another process held: decode at 2 threads fell to 0.95-3 tok/s where
+    one thread gave 11 (load average 5-8); idle, two threads are the faster. So one decode step in
+    `probe_every` runs with the other count, and the count whose recent time per token is lower
+    (an exponential average) runs the rest."""
+
+    def __init__(self, cores: int, probe_every: int = 16) -> None:
+        self.cores, self.probe_every = cores, probe_every
+        self.ema: dict[int, float] = {}
+        self.best = cores
+        self.steps = 0
+
+    def pick(self) -> int:
+        if self.cores == 1:
+            return 1
+        self.steps += 1
+        other = 1 if self.best == self.cores else self.cores
+        if (other not in self.ema and self.steps > 1) or self.steps % self.probe_every == 0:
+            return other
+        return self.best
+
+    def record(self, threads: int, seconds_per_token: float) -> None:
+        old = self.ema.get(threads)
+        self.ema[threads] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
+        self.best = min(self.ema, key=self.ema.get)
+
+
 class CompiledCpuExecutor:
     def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0,
                  load_quantized: QuantizedLoader | None = None) -> None:
@@ -53,7 +82,10 @@ class CompiledCpuExecutor:
         check_graph(graph)  # NotCompilable before any weight is read
         import numba
 
-        self.threads = cpu_threads()
+        fixed = cpu_threads()
+        self.threads = fixed or numba.config.NUMBA_NUM_THREADS
+        self.chooser = ThreadChooser(self.threads)
+        self.auto_threads = fixed is None
         numba.set_num_threads(self.threads)
         self.graph = graph
         self.num_blocks = num_blocks
@@ -111,19 +143,25 @@ class CompiledCpuExecutor:
         qsl = inp["query_start_loc"]
         seq_of = np.repeat(np.arange(len(qsl) - 1, dtype=np.int32), np.diff(qsl))
         cap = max(16, 1 << (max(T, L) - 1).bit_length())
-        ctx = StepContext(T, L, inp, seq_of)
+        sl = inp.get("seq_lens")
+        ctx = StepContext(T, L, inp, seq_of, int(sl.max()) if sl is not None and sl.size else 0)
         fns = self.plan.bind(cap)
         # A step on the BLAS path leaves numba one thread: OpenBLAS's workers spin for a while
         # after each sgemm, and a parallel numba loop waiting on a core they hold took 25 ms for
         # an rms_norm (measured). Decode steps call no BLAS and use every thread.
         import numba
 
-        numba.set_num_threads(1 if T >= GEMM_MIN_TOKENS else self.threads)
+        decode = T < GEMM_MIN_TOKENS
+        threads = 1 if not decode else self.chooser.pick() if self.auto_threads else self.threads
+        numba.set_num_threads(threads)
+        t0 = time.perf_counter()
         try:
             for fn in fns:
                 fn(ctx)
         finally:
             numba.set_num_threads(self.threads)
+        if decode and self.auto_threads:
+            self.chooser.record(threads, (time.perf_counter() - t0) / T)
         out = {}
         for name in self.graph.outputs:
             base = self.plan._base(name)
