@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -172,9 +173,11 @@ def render_chat(
 
     compiled = compile_template(template)
     try:
-        rendered = compiled.render(
+        rendered = _render_bounded(compiled, dict(
             messages=chat, tools=plain_template_data(tools), documents=plain_template_data(documents),
-            add_generation_prompt=add_generation_prompt, **kwargs)
+            add_generation_prompt=add_generation_prompt, **kwargs))
+    except ChatTemplateError:
+        raise
     except jinja2.exceptions.SecurityError as e:
         raise ChatTemplateError(f"chat template attempted an unsafe operation: {e}") from None
     except jinja2.TemplateError as e:
@@ -184,6 +187,32 @@ def render_chat(
     if field is not None:
         rendered = _cut_after_final_message(rendered, final)
     return rendered
+
+
+MAX_RENDER_CHARS = 16 << 20  # no context holds a prompt this long
+MAX_RENDER_SECONDS = 10.0
+
+
+def _render_bounded(compiled: jinja2.Template, variables: dict) -> str:
+    """compiled.render(**variables), stopped with one ChatTemplateError once the output passes
+    MAX_RENDER_CHARS or rendering MAX_RENDER_SECONDS (issue 42: a template's output size and
+    render time are bounded). Checked at each piece of output the template yields, so a loop
+    that writes nothing for 10^10 iterations (two nested range(100000)) is not stopped."""
+    ctx = compiled.new_context(variables)
+    parts, size, deadline = [], 0, time.monotonic() + MAX_RENDER_SECONDS
+    try:
+        for piece in compiled.root_render_func(ctx):
+            parts.append(piece)
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise ChatTemplateError(f"chat template output passed {MAX_RENDER_CHARS} characters; stopped")
+            if time.monotonic() > deadline:
+                raise ChatTemplateError(f"chat template rendered for more than {MAX_RENDER_SECONDS:g} s; stopped")
+    except ChatTemplateError:
+        raise
+    except Exception:
+        compiled.environment.handle_exception()  # Jinja's own traceback rewriting, as render() does
+    return "".join(parts)
 
 
 def normalize_messages(messages: list) -> list[dict]:
