@@ -98,3 +98,19 @@ def test_refused_graph_names_why():
     check_graph(build_graph(cfg, target="cpu"))
     with pytest.raises(NotCompilable, match="f32"):
         check_graph(build_graph(cfg, target="cpu", kv_cache_dtype="fp8"))
+
+
+def test_thread_chooser_keeps_the_faster_count_and_keeps_probing():
+    from kiln.runtime.worker.compiled_cpu_executor import ThreadChooser
+
+    for fast in (1, 2):
+        ch = ThreadChooser(2, probe_every=8)
+        picks = []
+        for _ in range(64):
+            k = ch.pick()
+            picks.append(k)
+            ch.record(k, 1.0 if k == fast else 3.0)
+        assert picks[:2] == [2, 1]  # both measured first
+        slow = [i for i, k in enumerate(picks[2:], start=3) if k != fast]
+        assert slow and all(i % 8 == 0 for i in slow)  # only the probes
+    assert ThreadChooser(1).pick() == 1
