@@ -109,3 +109,22 @@ def test_256_streams_50_killed(proc_server, expected):
     while aborts(srv) < before + NUM_KILLED and time.monotonic() < end:
         time.sleep(0.05)
     assert aborts(srv) == before + NUM_KILLED
+
+
+def test_n_at_the_limit_through_the_engine_process(proc_server):
+    """One request with n at --max-n's default (128 children through the pipe both ways)."""
+    srv = proc_server
+    n = srv.config.limits.max_n
+    status, _, raw = srv.request("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "many", "n": n,
+                                                             "max_tokens": 4, "temperature": 1.0, "seed": 3,
+                                                             "ignore_eos": True},
+                                 {"Content-Type": "application/json"}, timeout=120)
+    assert status == 200, raw[:300]
+    body = json.loads(raw)
+    assert sorted(c["index"] for c in body["choices"]) == list(range(n))
+    assert body["usage"]["completion_tokens"] == n * 4
+    status, _, raw = srv.request("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "many", "n": n + 1,
+                                                             "max_tokens": 4, "temperature": 1.0},
+                                 {"Content-Type": "application/json"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "n"
+    srv.wait_idle()
