@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     g.add_argument("--target", default="cpu", choices=("cpu",) + GPU_TARGETS,
-                   help="cpu (numpy), or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")
+                   help="cpu (numba kernels compiled for this CPU; KILN_CPU_BACKEND=numpy for the reference), "
+                   "or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")
     g.add_argument("--bundle", help=BUNDLE_HELP)
     add_kv_cache_dtype_argument(g)
     add_parallel_arguments(g)

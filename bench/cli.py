@@ -21,7 +21,8 @@ FLAGS: list[tuple[str, dict]] = [
                                                               "says what each measures)")),
     ("--model", dict(help="HF model directory or GGUF file (default: SmolLM2-135M-Instruct)")),
     ("--target", dict(default="cpu", choices=("cpu", "sm_90", "sm_121"),
-                      help="cpu (numpy), or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")),
+                      help="cpu (numba kernels compiled for this CPU; KILN_CPU_BACKEND=numpy for the reference), "
+                      "or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")),
     ("--bundle", dict(help="GPU bundle directory, compiled there when missing or stale (default: none; compiled "
                            "or read from the compile cache at every start)")),
     ("--json", dict(metavar="OUT", help="write the result here ({workload, commit, gpu, metric, value, ...}; "
