@@ -72,6 +72,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=_nonnegative, default=d.max_waiting_requests,
                    help="sequences that may wait beyond the --max-num-seqs running ones; past it a request gets "
                    "503 with Retry-After")
+    p.add_argument("--max-stream-backlog-tokens", type=_positive, default=d.max_stream_backlog_tokens,
+                   help="a stream whose client has not taken this many tokens of one choice (it stopped reading) "
+                   "is aborted and its connection closed")
 
 
 def limits_from_args(args: argparse.Namespace):
@@ -79,7 +82,8 @@ def limits_from_args(args: argparse.Namespace):
 
     return RequestLimits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
                          max_stop_string_chars=args.max_stop_string_length, max_messages=args.max_messages,
-                         max_waiting_requests=args.max_waiting_requests)
+                         max_waiting_requests=args.max_waiting_requests,
+                         max_stream_backlog_tokens=args.max_stream_backlog_tokens)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,10 @@ class RequestLimits:
     max_stop_string_chars: int = 512
     max_messages: int = 4096
     max_waiting_requests: int = 1024
+    # A stream whose client falls this many tokens of one choice behind the engine (it stopped
+    # reading: its socket's buffers are full and the tokens since wait in the server) is aborted
+    # and its connection closed (issue 42's slow reader).
+    max_stream_backlog_tokens: int = 1024
 
 # Sampling fields shared by both endpoints: name -> kind (see check_field).
 SAMPLING_FIELDS = {

@@ -173,7 +173,29 @@ class OpenAIServingHandler(BaseHandler):
             raise engine_error(e) from None
         # Registered once all are queued: a client gone already (or while queueing) aborts them now.
         self.on_close(lambda: engine.abort_nowait(self._request_ids))
+        self._collectors = collectors
+        if stream:
+            limit = self.state.config.limits.max_stream_backlog_tokens
+            for c in collectors:
+                c.limit_backlog(limit, self._slow_reader)
         return collectors
+
+    def _slow_reader(self, behind: int) -> None:
+        """A stream's client fell `behind` tokens of one choice back (it stopped reading: the socket's
+        buffers are full, send_event waits on flush and the collector merges what the engine makes).
+        Past --max-stream-backlog-tokens the request is aborted and the connection closed, so one
+        such client holds at most that many tokens per choice here (issue 42's slow reader); it
+        cannot be told with an error event, since it reads nothing."""
+        if self.client_gone:
+            return
+        logger.warning("%s %s: the client stopped reading (%d tokens behind, the limit is %d); request aborted",
+                       self.request.method, self.request.path, behind,
+                       self.state.config.limits.max_stream_backlog_tokens)
+        self.client_gone = True
+        self.state.engine.abort_nowait(self._request_ids)
+        stream = getattr(self.request.connection, "stream", None)
+        if stream is not None:
+            stream.close()  # the pending flush raises StreamClosedError: send_event ends the response
 
     def _admit(self, seqs: int, param: str) -> None:
         """Count this request's sequences in, or refuse it: past --max-num-seqs running plus
@@ -228,17 +250,19 @@ class OpenAIServingHandler(BaseHandler):
                 yield 0, ro
                 if ro.finished:
                     return
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded, so a reader that stops (a stream whose client stopped reading) leaves the outputs
+        # in the collectors, which merge them and bound the backlog, not in this queue.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(collectors))
 
         async def pump(i: int, c: RequestOutputCollector) -> None:
             try:
                 while (ro := await c.get()) is not None:
-                    queue.put_nowait((i, ro, None))
+                    await queue.put((i, ro, None))
                     if ro.finished:
                         break
             except Exception as e:  # the engine died: hand the error to the reader
-                queue.put_nowait((i, None, e))
-            queue.put_nowait((i, None, None))
+                await queue.put((i, None, e))
+            await queue.put((i, None, None))
 
         tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(collectors)]
         try:

@@ -6,11 +6,17 @@ awaits get(). It holds at most one item: a DELTA output arriving before the last
 was taken is merged into it (text and tokens appended), so a slow consumer gets
 fewer, larger deltas and memory stays bounded; CUMULATIVE and FINAL_ONLY outputs
 simply replace the older one. An exception put in is raised by get().
+
+A DELTA consumer may also bound how far it falls behind (limit_backlog, issue 42's slow
+reader): once the merged, untaken output holds more than that many tokens of any one choice,
+the pending output is dropped, the collector closes and on_overflow(tokens behind) runs, so a
+consumer that stops taking (a streaming client that stops reading its socket) holds at most
+that many tokens per choice here, however long the request runs.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from kiln.runtime.engine.outputs import OutputKind, RequestOutput
 
@@ -22,6 +28,19 @@ class RequestOutputCollector:
         self._item: Union[RequestOutput, BaseException, None] = None
         self._closed = False
         self._ready = asyncio.Event()
+        self._backlog_limit: Optional[int] = None
+        self._on_overflow: Optional[Callable[[int], None]] = None
+
+    def limit_backlog(self, tokens: int, on_overflow: Callable[[int], None]) -> None:
+        """DELTA only: past `tokens` untaken tokens of one choice, drop them, close, on_overflow(n)."""
+        self._backlog_limit, self._on_overflow = tokens, on_overflow
+
+    def pending_tokens(self) -> int:
+        """Tokens of the most-behind choice in the untaken output (0 when nothing waits)."""
+        item = self._item
+        if not isinstance(item, RequestOutput):
+            return 0
+        return max((len(c.token_ids) for c in item.outputs), default=0)
 
     def put(self, item: Union[RequestOutput, BaseException]) -> None:
         """On the event loop's thread."""
@@ -31,6 +50,14 @@ class RequestOutputCollector:
         if isinstance(item, RequestOutput) and isinstance(old, RequestOutput) \
                 and self.output_kind == OutputKind.DELTA:
             item = merge_delta(old, item)
+            if self._backlog_limit is not None:
+                behind = max((len(c.token_ids) for c in item.outputs), default=0)
+                if behind > self._backlog_limit:
+                    self._item, self._closed = None, True
+                    self._ready.set()
+                    if self._on_overflow is not None:
+                        self._on_overflow(behind)
+                    return
         elif isinstance(old, BaseException):
             return  # an error stays the last word
         self._item = item
