@@ -594,6 +594,14 @@ class _Lowerer:
         k_router.moe_router(self.buf(logits), top_k=node.attrs["top_k"], renormalize=node.attrs["renormalize"],
                             ids=self.buf(ids), weights=self.buf(weights), n_rows=self.n_rows(logits))
 
+    def op_moe_router_silu_mul(self, node) -> None:
+        """passes/fuse_router_silu.py's op: the router's launch computes the shared expert's act too."""
+        logits, gate, up = node.inputs
+        ids, weights, act = node.outputs
+        k_router.moe_router(self.buf(logits), top_k=node.attrs["top_k"], renormalize=node.attrs["renormalize"],
+                            ids=self.buf(ids), weights=self.buf(weights), n_rows=self.n_rows(logits),
+                            silu=(self.buf(gate), self.buf(up), self.buf(act)))
+
     def op_moe_experts(self, node) -> None:
         """The decode path (no sort) for buckets of few assignments, else align + grouped GEMMs
         (codegen/triton/moe.py): a choice of speed only, both give a token the same bits, so the

@@ -51,6 +51,21 @@ def moe_router(logits, *, top_k: int, renormalize: bool):
     return ids.astype(np.int32), w.astype(_f32)
 
 
+def _infer_router_silu(ins, attrs):
+    logits, gate, up = ins
+    if tuple(gate.shape) != tuple(up.shape) or gate.rank != 2 or gate.shape[0] != logits.shape[0]:
+        raise ValueError(f"moe_router_silu_mul: gate {list(gate.shape)} and up {list(up.shape)} must be "
+                         f"[T, I] alike, with logits {list(logits.shape)}")
+    return [*_infer_router([logits], attrs), (gate.dtype, gate.shape)]
+
+
+@OPS.register("moe_router_silu_mul", inputs=3, infer=_infer_router_silu)
+def moe_router_silu_mul(logits, gate, up, *, top_k: int, renormalize: bool):
+    """moe_router(logits) and the shared expert's silu_mul(gate, up), two per-row ops over the same
+    tokens in one (passes/fuse_router_silu.py): -> (topk_ids, topk_weights, act)."""
+    return (*moe_router(logits, top_k=top_k, renormalize=renormalize), silu_mul(gate, up))
+
+
 def _infer_experts(ins, attrs):
     x, ids, w, w13, w2 = ins
     e, two_i, h = w13.shape

@@ -13,6 +13,7 @@ from kiln.passes.base import Pass
 from kiln.passes.eliminate_dead_code import EliminateDeadCode
 from kiln.passes.fold_gdn_gates import FoldGdnGates
 from kiln.passes.fold_gdn_norm import FoldGdnNorm
+from kiln.passes.fuse_router_silu import FuseRouterSilu
 from kiln.passes.fuse_conv_silu import FuseConvSilu
 from kiln.passes.fuse_add_rmsnorm import FuseAddRmsNorm
 from kiln.passes.fold_cast_into_linear import FoldCastIntoLinear
@@ -51,6 +52,7 @@ def default_passes(fuse_silu: bool = True, fuse_residual: bool = True, fuse_rope
         FuseConvSilu(),
         FoldGdnGates(),
         FoldGdnNorm(),
+        FuseRouterSilu(),
         FoldCastIntoLinear(),
         EliminateDeadCode(),
     ]

@@ -92,6 +92,12 @@ def test_router_and_shared_expert_share_one_gemm(tiny, tmp_path):
                      p + "shared_expert_gate.weight"]
     dumped = sorted(tmp_path.glob("*merge_parallel_linears.txt"))[0].read_text()
     assert merged.name in dumped and "moe_router" in dumped and "moe_experts" in dumped
+    # fuse_router_silu: the shared expert's silu_mul rides in the router's launch, in every MoE layer
+    topk = graph.nodes[f"layers.{i}.topk"]
+    assert topk.op == "moe_router_silu_mul" and topk.outputs[2] == graph.nodes[f"layers.{i}.shared_expert.down_proj"].inputs[0]
+    moe_layers = sum(cfg.layer_is_moe(j) for j in range(cfg.num_hidden_layers))
+    fused = sorted(tmp_path.glob("*fuse_router_silu.txt"))[0].read_text()
+    assert fused.count("moe_router_silu_mul(") == moe_layers and " moe_router(" not in fused
 
 
 def _compile(model, *extra: str) -> subprocess.CompletedProcess:

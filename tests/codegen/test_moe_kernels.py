@@ -105,6 +105,31 @@ def test_router_leaves_padded_rows_alone(rng):
     assert (ids[4:] == -7).all() and np.isnan(w[4:]).all()
 
 
+def test_router_with_the_shared_experts_silu_gives_the_two_launches_bits(rng):
+    """moe_router_silu_mul (passes/fuse_router_silu.py): the router's launch also writes the shared
+    expert's silu(gate) * up from the merged GEMM's columns (strided slices of one [T, E + 2I + 1]
+    matrix, as the model lays them out): ids, weights and act equal the router alone and
+    silu_mul_kernel alone bit for bit; padded rows are left alone."""
+    from kiln.codegen.triton.silu_mul import silu_mul
+
+    t, i = 9, 40  # 40 columns: a partial block
+    merged = rand(rng, (t, E + 2 * i + 1), BF16, 2.0)
+    logits, gate, up = merged[:, :E], merged[:, E:E + i], merged[:, E + i:E + 2 * i]
+    ids, w = np.full((t, K), -7, np.int32), np.full((t, K), np.nan, np.float32)
+    act = np.full((t, i), np.nan, BF16)
+    n = np.array([7], np.int32)
+    moe_router(logits, top_k=K, renormalize=True, ids=ids, weights=w, n_rows=n, silu=(gate, up, act))
+    ids1, w1 = np.full((t, K), -7, np.int32), np.full((t, K), np.nan, np.float32)
+    moe_router(logits, top_k=K, renormalize=True, ids=ids1, weights=w1, n_rows=n)
+    act1 = np.full((t, i), np.nan, BF16)
+    silu_mul(gate, up, act1, n_rows=n)
+    np.testing.assert_array_equal(ids, ids1)
+    assert np.array_equal(w[:7], w1[:7]) and np.isnan(w[7:]).all()
+    assert np.array_equal(act[:7].view(np.uint16), act1[:7].view(np.uint16)) and np.isnan(act[7:].astype(np.float32)).all()
+    g, u = gate.astype(np.float32), up.astype(np.float32)
+    assert_close(act[:7], (g / (1 + np.exp(-g)) * u)[:7], rtol=1e-2, what="shared expert act")
+
+
 # -- align ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["random", "some_experts_idle", "one_expert_takes_all"])
