@@ -50,7 +50,8 @@ class ThreadChooser:
     """How many threads decode steps use when KILN_CPU_THREADS does not say: all cores, unless one
     thread has been faster lately. On the 2-core machine with other work on it, every parallel
     loop waited for a core another process held: decode at 2 threads fell to 0.95-3 tok/s where
-    one thread gave 11 (load average 5-8); idle, two threads are the faster. So one decode step in
+    one thread gave 11 (load average 5-8); on free cores two threads should win (the GEMVs split
+    by rows; not measured idle yet: no idle window in the session that wrote this). So one decode step in
     `probe_every` runs with the other count, and the count whose recent time per token is lower
     (an exponential average) runs the rest."""
 
