@@ -69,7 +69,7 @@ def _rel(a, b):
 
 def test_fp8_logits_match_the_cpu_executor(fp8):
     name, _, cpu, gpu, bf16 = fp8
-    prompts = _prompts(8, seed=1)
+    prompts = [p[:30] for p in _prompts(8, seed=1)]  # one step: at most 240 of the 256-token bucket
     out = cpu.graph.outputs[0]
     want = _last_logits(cpu.executor, out, prompts)
     got = _last_logits(gpu.executor, gpu.graph.outputs[0], prompts)
