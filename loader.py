@@ -235,25 +235,30 @@ def _quantized_loader(weights):
 
 def cpu_executor(graph: Graph, source: ModelSource, *, num_blocks: int, num_state_slots: int, block_size: int = 16):
     """The compiled CPU executor where numba and the graph allow, else the numpy one (said once
-    per reason, with the reason)."""
+    per reason, with the reason, once the numpy executor has loaded: a model that cannot load at
+    all is one sentence, its own)."""
+    note = None
     if cpu_backend() == "compiled":
         try:
             from kiln.runtime.cpu.plan import NotCompilable
             from kiln.runtime.worker.compiled_cpu_executor import CompiledCpuExecutor
         except ImportError as e:
-            _say_once(f"the compiled CPU target needs numba ({e.name or e} is not importable): "
-                      "running the numpy target (pip install numba)")
+            note = (f"the compiled CPU target needs numba ({e.name or e} is not importable): "
+                    "running the numpy target (pip install numba)")
         else:
             try:
                 ex = CompiledCpuExecutor(graph, source.weights.get, num_blocks=num_blocks,
                                          num_state_slots=num_state_slots,
                                          load_quantized=_quantized_loader(source.weights))
             except NotCompilable as e:
-                _say_once(f"{e}: running this model on the numpy CPU target")
+                note = f"{e}: running this model on the numpy CPU target"
             else:
                 ex.warm_up(_cpu_progress, block_size=block_size)
                 return ex
-    return CpuExecutor(graph, source.weights.get, num_blocks=num_blocks, num_state_slots=num_state_slots)
+    ex = CpuExecutor(graph, source.weights.get, num_blocks=num_blocks, num_state_slots=num_state_slots)
+    if note:
+        _say_once(note)
+    return ex
 
 
 def compile_model(source: ModelSource, graph: Graph, *, target: str, block_size: int, max_model_len: int,
