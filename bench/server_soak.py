@@ -223,10 +223,19 @@ async def soak(port: int, proc: subprocess.Popen, a) -> dict:
 
 # ------------------------------------------------------------------------ burst
 
+a_retry_connect = False
+
+
 async def one_stream(port: int, body: dict, stats: dict) -> dict[int, list[int]]:
     while True:
         conn = Conn(port)
         try:
+            if a_retry_connect:
+                try:  # the listen backlog full (SYNs dropped, connect times out): retried, counted
+                    conn.reader, conn.writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    stats["connect_failed_retried"] = stats.get("connect_failed_retried", 0) + 1
+                    continue
             _, tokens = await conn.stream(body)
             return tokens
         except Refused as e:
@@ -238,7 +247,7 @@ async def one_stream(port: int, body: dict, stats: dict) -> dict[int, list[int]]
             conn.close()
 
 
-async def burst(port: int, a) -> dict:
+async def burst(port: int, proc: subprocess.Popen, a) -> dict:
     model = model_id(port)
     out: dict = {"levels": []}
     for count in a.streams:
@@ -252,7 +261,8 @@ async def burst(port: int, a) -> dict:
         wall = time.perf_counter() - t0
         errors = [r for r in res if isinstance(r, BaseException)]
         level = {"streams": count, "complete": len(res) - len(errors), "errors": len(errors),
-                 "error_examples": [repr(e)[:300] for e in errors[:3]], "wall_s": round(wall, 1), **stats}
+                 "error_examples": [repr(e)[:300] for e in errors[:3]], "wall_s": round(wall, 1), **stats,
+                 "server_rss_mb_after": round(sum(rss_mb(p) for p in tree(proc.pid)), 1)}
         print(json.dumps(level), file=sys.stderr, flush=True)
         out["levels"].append(level)
     limit = a.max_n
@@ -287,15 +297,19 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="*", default=[1000, 3000])
     ap.add_argument("--max-n", type=int, default=128, help="the server's --max-n")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--retry-connect", action="store_true",
+                    help="burst: a connect that fails (the listen backlog full) is retried and counted")
     ap.add_argument("--json")
     a, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
+    global a_retry_connect
+    a_retry_connect = a.retry_connect
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     res = {"mode": a.mode, "argv": sys.argv, "serve_flags": extra, "commit": commit, "uptime_before": uptime()}
     proc, port = start_server(extra)
     try:
-        res.update(asyncio.run(soak(port, proc, a) if a.mode == "soak" else burst(port, a)))
+        res.update(asyncio.run(soak(port, proc, a) if a.mode == "soak" else burst(port, proc, a)))
     finally:
         res["server_exit"] = stop_server(proc)
         res["uptime_after"] = uptime()
