@@ -33,19 +33,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kiln.bench.cpu_serve_rss import tree  # a process and its descendants
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def tree(pid: int) -> list[int]:
-    out = [pid]
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                for c in f.read().split():
-                    out += tree(int(c))
-    except OSError:
-        pass
-    return out
 
 
 def rss_mb(pid: int) -> float:
