@@ -154,8 +154,9 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
          num_state_snapshots: int = 0, gguf_blocks: bool = False) -> LoadedModel:
     """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
     or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
-    model and target) and runs it on the GPU. kv_cache_tokens None (GPU): size the
-    KV cache from free memory. kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3"
+    model and target) and runs it on the GPU. kv_cache_tokens None: on a GPU, size the
+    KV cache from free memory; on cpu, cpu_kv_blocks' default.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3"
     (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache).
     A hybrid model gets max_num_seqs running state slots, num_state_snapshots more for the
     prefix cache's snapshots, and the null slot 0 (models without such state ignore both).
@@ -173,7 +174,7 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
         log.info("%s", report)
     tok = load_tokenizer(source) if tokenizer else None
     if target == "cpu":
-        executor = cpu_executor(graph, source, num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
+        executor = cpu_executor(graph, source, num_blocks=cpu_kv_blocks(graph, kv_cache_tokens, block_size),
                                 num_state_slots=num_state_slots, block_size=block_size)
         return LoadedModel(source, graph, executor, tok, block_size)
 
@@ -189,6 +190,33 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
                             num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size),
                             num_state_slots=num_state_slots)
     return LoadedModel(source, graph, executor, tok, block_size)
+
+
+CPU_KV_CACHE_TOKENS = 65536  # the CPU cache's default size in tokens, at most CPU_KV_CACHE_BYTES
+CPU_KV_CACHE_BYTES = 4 << 30  # vLLM's default CPU KV space (VLLM_CPU_KVCACHE_SPACE unset: 4 GiB, vllm/platforms/cpu.py)
+
+
+def cpu_kv_blocks(graph: Graph, kv_cache_tokens: int | None, block_size: int) -> int:
+    """The CPU KV cache's blocks: kv_cache_tokens rounded up to whole blocks, or by default
+    CPU_KV_CACHE_TOKENS capped at what CPU_KV_CACHE_BYTES holds. The CPU executors write every
+    page of the cache at start (cpu_executor.committed_zeros), so the default is resident from
+    the first request: 3.0 GiB on SmolLM2-135M (45 KiB a token in f32), 4 GiB (14,563 tokens)
+    on Qwen3-8B, whose 65,536 tokens would be 18 GiB."""
+    if kv_cache_tokens is not None:
+        return -(-kv_cache_tokens // block_size)
+    import numpy as np
+
+    from kiln.graph import to_numpy
+
+    # bytes a block, at least f32 a value (the compiled executor keeps every state in f32)
+    per_block = sum(int(np.prod(t.concrete_shape({"NB": 1, "NS": 0}))) * max(4, np.dtype(to_numpy(t.dtype)).itemsize)
+                    for t in graph.states if "NB" in t.shape)
+    blocks = -(-CPU_KV_CACHE_TOKENS // block_size)
+    if per_block:
+        blocks = max(1, min(blocks, CPU_KV_CACHE_BYTES // per_block))
+    log.info("CPU KV cache: %d tokens (%.2f GiB, written at start; --kv-cache-tokens sets it)",
+             blocks * block_size, blocks * per_block / 2**30)
+    return blocks
 
 
 CPU_BACKENDS = ("compiled", "numpy")
@@ -377,7 +405,7 @@ def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_siz
                         tensor_parallel=(tensor_parallel_size, 0))
     make = functools.partial(_tensor_parallel_worker, str(source.path), tensor_parallel_size, target=target,
                              block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                             num_blocks=-(-(kv_cache_tokens or 8192) // block_size),
+                             num_blocks=cpu_kv_blocks(graph, kv_cache_tokens, block_size),
                              num_state_slots=max_num_seqs + num_state_snapshots + 1)
     if backend == "ray":
         from kiln.runtime.worker.ray_executor import RayExecutor

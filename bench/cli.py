@@ -46,7 +46,7 @@ FLAGS: list[tuple[str, dict]] = [
     ("--max-model-len", dict(type=int, default=4096, help="as `build.py compile` (a bundle is keyed by it)")),
     ("--max-num-seqs", dict(type=int, default=256, help="most sequences in one step")),
     ("--max-num-batched-tokens", dict(type=int, default=2048, help="token budget of one step")),
-    ("--kv-cache-tokens", dict(type=int, help="KV cache size (default: 65536 on CPU, free memory on a GPU)")),
+    ("--kv-cache-tokens", dict(type=int, help="KV cache size (default: 65536 on CPU, at most 4 GiB; free memory on a GPU)")),
     ("--kv-cache-dtype", dict(default="auto", choices=list(KV_CACHE_DTYPES),
                               help="as `build.py serve` (fp8: e4m3, scale 1.0)")),
     ("--peers", dict(nargs="+", choices=PEERS, default=[],

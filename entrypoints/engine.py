@@ -33,8 +33,8 @@ def freeze_startup_heap() -> None:
 
 def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
     """-> (engine, the loaded model), both in this process."""
-    kv_tokens = args.kv_cache_tokens if args.kv_cache_tokens or args.target != "cpu" else 65536
-    kw = dict(target=args.target, block_size=args.block_size, kv_cache_tokens=kv_tokens,
+    # None: on cpu, loader.cpu_kv_blocks' default (65,536 tokens, at most 4 GiB); on a GPU, free memory
+    kw = dict(target=args.target, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
               tokenizer=not args.skip_tokenizer_init, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype,

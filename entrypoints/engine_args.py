@@ -27,7 +27,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     block_size: int = 16
-    kv_cache_tokens: Optional[int] = None  # KV cache size in tokens; None: 65536 on CPU, free memory on GPU
+    kv_cache_tokens: Optional[int] = None  # KV cache size in tokens; None: 65536 (at most 4 GiB) on CPU, free memory on GPU
     target: str = "cpu"  # "cpu" (numpy) or a GPU arch: "sm_90", "sm_121"
     bundle_dir: Optional[str] = None  # where a GPU bundle is cached (reused when it matches)
     seed: Optional[int] = 0

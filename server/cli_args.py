@@ -125,7 +125,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="which waiting request runs first: fcfs (arrival order) or priority (the request's "
                    "`priority` field, lower first; ties by arrival)")
     p.add_argument("--kv-cache-tokens", type=_positive,
-                   help="KV cache size in tokens (default: 65536 on CPU, what free memory holds on a GPU)")
+                   help="KV cache size in tokens (default: 65536 on CPU, at most 4 GiB, all of it resident from the "
+                   "start; what free memory holds on a GPU)")
     p.add_argument("--target", default="cpu", choices=("cpu", "sm_90", "sm_121"),
                    help="cpu (numpy), or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")
     p.add_argument("--bundle", help="GPU bundle directory: read when it matches the model and flags, else compiled "

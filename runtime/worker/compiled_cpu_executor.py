@@ -22,7 +22,7 @@ from kiln.graph.layout import stack_parts
 from kiln.runtime.cpu.linear import GEMM_MIN_TOKENS
 from kiln.runtime.cpu.packed import BLOCKS, PackedWeight, pack_float, pack_gguf
 from kiln.runtime.cpu.plan import NotCompilable, Plan, StepContext, check_graph
-from kiln.runtime.worker.cpu_executor import CpuExecutor
+from kiln.runtime.worker.cpu_executor import CpuExecutor, committed_zeros
 
 WeightLoader = Callable[[str], np.ndarray]
 # name -> (GGUF block type name, raw rows u8 [N, row_bytes]) or None where not stored in blocks
@@ -98,7 +98,7 @@ class CompiledCpuExecutor:
             self.weights[t.name] = (self._pack(t, load_weight, load_quantized) if t.name in packed
                                     else CpuExecutor._load(t, load_weight))
         dims = {"NB": num_blocks}
-        self.states = {t.name: np.zeros(t.concrete_shape(dims), np.float32) for t in graph.states}
+        self.states = {t.name: committed_zeros(t.concrete_shape(dims), np.float32) for t in graph.states}
         self.plan = Plan(graph, self.weights, self.states)
         self._vocab = {n.inputs[0]: graph.tensors[n.inputs[1]].shape[0]
                        for n in graph.nodes.values() if n.op == "embedding"}

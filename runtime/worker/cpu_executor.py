@@ -20,6 +20,21 @@ from kiln.graph.op import run_reference
 WeightLoader = Callable[[str], np.ndarray]
 
 
+def committed_zeros(shape, dtype) -> np.ndarray:
+    """A zeroed array whose every page is written now. np.zeros of a large shape is a fresh
+    anonymous mapping the kernel backs page by page on first touch, so a paged KV cache made
+    with it grew the engine's RSS by one block each time the allocator handed out a block
+    never used before (0.70 MiB a request on SmolLM2, up to the whole cache after ~4,100
+    requests: docs/BENCHMARKS.md, issue 42's soak). Written here, the cache is resident from
+    the start, as a GPU cache is allocated and owned up front, and a host that cannot hold it
+    fails at start rather than mid-run. (vLLM's CPU cache is torch.zeros, whose fill writes
+    every page too: vllm/v1/worker/gpu_model_runner.py _allocate_kv_cache_tensors, which its
+    CPU model runner inherits.)"""
+    arr = np.empty(shape, dtype)
+    arr.fill(0)
+    return arr
+
+
 class CpuExecutor:
     def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0,
                  comm=None) -> None:
@@ -34,7 +49,7 @@ class CpuExecutor:
         self.num_state_slots = num_state_slots if any("NS" in t.shape for t in graph.states) else 0
         self.weights = {t.name: self._load(t, load_weight) for t in graph.weights}
         dims = {"NB": num_blocks, "NS": num_state_slots}
-        self.states = {t.name: np.zeros(t.concrete_shape(dims), dtype=to_numpy(t.dtype)) for t in graph.states}
+        self.states = {t.name: committed_zeros(t.concrete_shape(dims), to_numpy(t.dtype)) for t in graph.states}
         self._last_use = self._compute_last_use()
 
     @staticmethod
