@@ -20,11 +20,15 @@ from kiln.runtime.cpu import linear_kernels as K
 from kiln.runtime.cpu.packed import PackedWeight
 
 GEMM_MIN_TOKENS = 32
-# Below this many multiply-adds a parallel kernel runs on the calling thread alone: SmolLM2's
-# q/k/v [960, 576] and o [576, 576] GEMVs are 30-45 us of work on one core, about what a fork/join
-# of the pool costs when idle, and a join that waits for a core another process holds cost ~5 ms
-# each (decode fell to 0.95 tok/s at load average 7.8 on the 2-core machine, 11.3 on one thread).
-PARALLEL_MIN_WORK = 1 << 20
+# Below this many multiply-adds a parallel kernel runs on the calling thread alone. Measured on
+# the 2-core machine (minimum of 2,000 calls, gemv_q4, batch 1, 2026-12-07, issue 43): a
+# fork/join of numba's OpenMP pool costs ~2-3 us, so two threads lose below ~64 K weights
+# (16 K: 3.2 -> 4.5 us) and win above (147 K: 12.9 -> 9.5 us; SmolLM2's o [576, 576]: 26.7 ->
+# 17.2; q/k/v [960, 576]: 43 -> 25). An earlier limit of 1 M kept q/k/v, o and down on one
+# thread: half of a decode step's GEMV work. Where other processes hold the cores, every join
+# can wait for one (decode fell to 0.95 tok/s at load average 7.8, 11.3 on one thread): the
+# executor's ThreadChooser then runs decode on one thread.
+PARALLEL_MIN_WORK = 1 << 17
 
 
 def run_sized(work: int, fn, *args) -> None:

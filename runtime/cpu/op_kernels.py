@@ -135,8 +135,11 @@ def paged_attention(q, cache, block_table, seq_lens, qsl, scale, window, out, se
     """q: [>=T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32 [S, MB]; seq_lens: i32 [S];
     qsl: i32 [S+1]; seq_of: i32 [T] (the sequence of each query row) -> out [>=T, H, D].
     Causal, GQA; a row at position p sees keys max(0, p - window + 1) .. p (window 0: all).
-    Scores of a row go to a scratch row, then one pass of exp and the weighted sum of values;
-    everything is indexed element by element (a view per key cost a reference count each)."""
+    One (row, head) per parallel item: q scaled once into a scratch row, the scores of the row
+    into a scratch row, then exp in its own loop (not between two dot products: 20 % less time
+    at 129 keys, SmolLM2's 9 x 64 heads, 31 vs 39 us on one core), the weighted sum of values,
+    and one multiply by 1 / the sum. Everything is indexed element by element (a view per key
+    cost a reference count each)."""
     T = seq_of.shape[0]
     H, D = q.shape[1], q.shape[2]
     BS, Hkv = cache.shape[2], cache.shape[3]
@@ -148,23 +151,29 @@ def paged_attention(q, cache, block_table, seq_lens, qsl, scale, window, out, se
         p = L - n + (t - qsl[s])
         lo = max(0, p - window + 1) if window > 0 else 0
         kh = h // g
+        qs = np.empty(D, np.float32)
+        for i in range(D):
+            qs[i] = q[t, h, i] * np.float32(scale)
         sc = np.empty(p + 1 - lo, np.float32)
-        acc = np.zeros(D, np.float32)
-        mx = -np.inf
+        mx = np.float32(-np.inf)
         for key in range(lo, p + 1):
             blk, off = block_table[s, key // BS], key % BS
             a = np.float32(0)
             for i in range(D):
-                a += q[t, h, i] * cache[blk, 0, off, kh, i]
-            a *= np.float32(scale)
+                a += qs[i] * cache[blk, 0, off, kh, i]
             sc[key - lo] = a
             mx = max(mx, a)
         den = np.float32(0)
+        for j in range(p + 1 - lo):
+            e = np.exp(sc[j] - mx)
+            sc[j] = e
+            den += e
+        acc = np.zeros(D, np.float32)
         for key in range(lo, p + 1):
             blk, off = block_table[s, key // BS], key % BS
-            e = np.exp(sc[key - lo] - mx)
-            den += e
+            e = sc[key - lo]
             for i in range(D):
                 acc[i] += e * cache[blk, 1, off, kh, i]
+        inv = np.float32(1) / den
         for i in range(D):
-            out[t, h, i] = acc[i] / den
+            out[t, h, i] = acc[i] * inv

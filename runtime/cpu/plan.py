@@ -307,7 +307,8 @@ class Plan:
         def make(buf):
             qv, c, o = buf(q), buf(self._base(cache)), buf(outs[0])
             hd = qv.shape[1] * qv.shape[2]
-            return lambda ctx: run_sized(ctx.T * ctx.max_len * hd, OK.paged_attention, qv, c, ctx.inp[bt],
+            # multiply-adds: q.k and p.v per key (SmolLM2 decode at 129 keys: 31 -> 19 us on 2 threads)
+            return lambda ctx: run_sized(2 * ctx.T * ctx.max_len * hd, OK.paged_attention, qv, c, ctx.inp[bt],
                                          ctx.inp[sl], ctx.inp[qsl], scale, window, o, ctx.seq_of)
         return Step(node.name, (OK.paged_attention,), make)
 
