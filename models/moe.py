@@ -19,7 +19,9 @@ from kiln.errors import UnsupportedQuantizationError
 from kiln.graph import DType, Graph, Tensor
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_quant import gguf_experts
+from kiln.models.fp8_linear import project
 from kiln.models.nvfp4_linear import linear_or_nvfp4
+from kiln.models.quant_config import Fp8Config
 
 GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H]: each expert's gate rows, then its up rows
 DOWN = "mlp.experts.down_proj"  # [E, H, I]
@@ -32,7 +34,16 @@ def _linear(g: Graph, x: Tensor, name: str, n_out: int, n_in: int, dtype: DType,
 def dense_mlp(g: Graph, x: Tensor, p: str, n: str, width: int, hidden: int, dtype: DType, quant=None) -> Tensor:
     """down(silu(gate(x)) * up(x)) with weights {p}.gate_proj/up_proj [width, H], down_proj [H, width]
     (node names {n}.gate_proj, ... as the dense decoders name theirs); quant: a ModelOpt NVFP4
-    checkpoint's config (models/nvfp4_linear.py), None for plain weights."""
+    checkpoint's config (models/nvfp4_linear.py) or an FP8 one's (models/fp8_linear.py: gate and up
+    share one quant_fp8 of x, as the dense decoders' do), None for plain weights."""
+    if isinstance(quant, Fp8Config):
+        gate, up = project(g, quant, x, [(f"{p}.gate_proj", width, f"{n}.gate_proj"),
+                                         (f"{p}.up_proj", width, f"{n}.up_proj")], hidden, dtype, False,
+                           f"{n}.gate_up_quant")
+        act = g.call1("mul", g.call1("silu", gate, name=f"{n}.silu"), up, name=f"{n}.act")
+        (down,) = project(g, quant, act, [(f"{p}.down_proj", hidden, f"{n}.down_proj")], width, dtype, False,
+                          f"{n}.down_quant")
+        return down
     if quant is not None:
         gate = linear_or_nvfp4(g, quant, x, f"{p}.gate_proj", width, hidden, dtype, False, f"{n}.gate_proj")
         up = linear_or_nvfp4(g, quant, x, f"{p}.up_proj", width, hidden, dtype, False, f"{n}.up_proj")
@@ -79,5 +90,6 @@ def mlp(g: Graph, cfg: ModelConfig, i: int, x: Tensor, dtype: DType) -> Tensor:
             raise UnsupportedQuantizationError(f"{cfg.quantization.method} quantised MoE layers ({p}.mlp) are not "
                                                f"supported by kiln")
         return moe_block(g, cfg, p, n, x, dtype)
-    nvfp4 = cfg.quantization if getattr(cfg.quantization, "weight", None) == "nvfp4" else None
-    return dense_mlp(g, x, f"{p}.mlp", n, cfg.intermediate_size, cfg.hidden_size, dtype, quant=nvfp4)
+    q = cfg.quantization
+    q = q if isinstance(q, Fp8Config) or getattr(q, "weight", None) == "nvfp4" else None
+    return dense_mlp(g, x, f"{p}.mlp", n, cfg.intermediate_size, cfg.hidden_size, dtype, quant=q)

@@ -26,12 +26,14 @@ from typing import Any, Mapping
 from kiln.errors import UnsupportedQuantizationError
 from kiln.models.nvfp4_config import Nvfp4Config, parse_modelopt_nvfp4
 
-# The decoder architectures whose graph builders emit FP8 linears (models/fp8_linear.py);
-# any other architecture with a quantization_config is refused, not run in bf16.
-FP8_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
-# NVFP4 (W4A16, models/nvfp4_linear.py) also runs the dense Qwen3.5 hybrids (models/qwen3_5.py); not
-# Qwen3-Next, whose interleaved GDN projections are rearranged at load, nor any MoE
-NVFP4_ARCHITECTURES = FP8_ARCHITECTURES + ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# The decoder architectures whose graph builders emit FP8 linears (models/fp8_linear.py): the dense
+# decoders and the dense Qwen3.5/3.6 hybrids (models/qwen3_5.py: gated attention, Gated DeltaNet
+# projections, MLP); any other architecture with a quantization_config is refused, not run in bf16.
+# Not Qwen3-Next, whose interleaved GDN projections are rearranged at load (a block scale of the
+# interleaved rows is no scale of the rearranged ones), nor any MoE (models/moe.py refuses its layers).
+FP8_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# NVFP4 (W4A16, models/nvfp4_linear.py) runs the same architectures
+NVFP4_ARCHITECTURES = FP8_ARCHITECTURES
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 # The smallest activation scale, as vLLM's references clamp it (tests/kernels/quant_utils.py):
@@ -55,10 +57,22 @@ class Fp8Config:
     ignore: tuple[str, ...] = ()  # modules left unquantised (modules_to_not_convert, ignore, exclude_modules)
 
     def quantizes(self, module: str) -> bool:
-        """Whether the linear `module` (e.g. model.layers.0.self_attn.q_proj) is stored in FP8."""
-        if any(_matches(module, p) for p in self.ignore):
+        """Whether the linear `module` (e.g. model.layers.0.self_attn.q_proj, a graph name) is stored
+        in FP8. The skip and target lists name the file's modules, and a Qwen3.5/3.6
+        ...ForConditionalGeneration file holds the text tower as model.language_model.* (its FP8
+        checkpoints list e.g. model.language_model.layers.0.linear_attn.in_proj_a in
+        modules_to_not_convert; models/qwen3_5.py adapt_weights), so that name is tried too."""
+        names = file_module_names(module)
+        if any(_matches(n, p) for n in names for p in self.ignore):
             return False
-        return not self.targets or any(p == "Linear" or _matches(module, p) for p in self.targets)
+        return not self.targets or any(p == "Linear" or _matches(n, p) for n in names for p in self.targets)
+
+
+def file_module_names(module: str) -> tuple[str, ...]:
+    """A graph module name and the name a Qwen3.5/3.6 ...ForConditionalGeneration file gives it."""
+    if module.startswith("model."):
+        return module, "model.language_model." + module[len("model."):]
+    return (module,)
 
 
 def _matches(module: str, pattern: str) -> bool:

@@ -26,9 +26,11 @@ from kiln.errors import InvalidModelError
 from kiln.graph import OPS, DType, Graph, Tensor
 from kiln.models import moe
 from kiln.models.config import ModelConfig
+from kiln.models.fp8_linear import project
 from kiln.models.llama import STEP_INPUTS
 from kiln.models.mapped_weights import MappedWeights
 from kiln.models.nvfp4_linear import linear_or_nvfp4
+from kiln.models.quant_config import Fp8Config
 from kiln.models.moe_weights import expert_weights
 from kiln.models.weights import WeightSource
 
@@ -71,10 +73,22 @@ def build_graph(cfg: ModelConfig, *, dtype: DType = DType.f32, block_size: int =
     return g
 
 
+def _project(g: Graph, cfg: ModelConfig, x: Tensor, specs: list[tuple[str, int, str]], n_in: int, dtype: DType,
+             bias: bool, quant_name: str) -> list[Tensor]:
+    """The linears in specs [(weight prefix, n_out, node name)], all reading x [T, n_in]: plain, NVFP4
+    where a ModelOpt NVFP4 checkpoint quantises them (models/nvfp4_linear.py), or FP8 W8A8 where an
+    FP8 checkpoint does (models/fp8_linear.py: the FP8 ones share one quant_fp8 of x, named
+    quant_name, as vLLM's merged in_proj_qkvz / qkv_proj layers quantise their input once)."""
+    if isinstance(cfg.quantization, Fp8Config):
+        return project(g, cfg.quantization, x, specs, n_in, dtype, bias, quant_name)
+    return [linear_or_nvfp4(g, cfg.quantization, x, prefix, n_out, n_in, dtype, bias, name)
+            for prefix, n_out, name in specs]
+
+
 def _linear(g: Graph, cfg: ModelConfig, x: Tensor, prefix: str, n_out: int, n_in: int, dtype: DType, bias: bool,
             name: str) -> Tensor:
-    """A plain linear, or NVFP4 where a ModelOpt NVFP4 checkpoint quantises it (models/nvfp4_linear.py)."""
-    return linear_or_nvfp4(g, cfg.quantization, x, prefix, n_out, n_in, dtype, bias, name)
+    """One linear reading x (its input quantised by a quant_fp8 of its own in an FP8 checkpoint)."""
+    return _project(g, cfg, x, [(prefix, n_out, name)], n_in, dtype, bias, f"{name}_quant")[0]
 
 
 def _gated_attention(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tensor, inp: dict, dtype: DType,
@@ -83,12 +97,12 @@ def _gated_attention(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tens
     NeoX rope; the attention output times sigmoid(gate), then o_proj."""
     H, nh, nkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps, off, ab = cfg.rms_norm_eps, cfg.norm_offset, cfg.attention_bias
-    qg = _linear(g, cfg, x, f"{p}.self_attn.q_proj", nh * 2 * D, H, dtype, ab, f"{n}.q_proj")
+    qg, k, v = _project(g, cfg, x, [(f"{p}.self_attn.q_proj", nh * 2 * D, f"{n}.q_proj"),
+                                    (f"{p}.self_attn.k_proj", nkv * D, f"{n}.k_proj"),
+                                    (f"{p}.self_attn.v_proj", nkv * D, f"{n}.v_proj")], H, dtype, ab, f"{n}.qkv_quant")
     qg = g.call1("reshape", qg, shape=("T", nh, 2 * D), name=f"{n}.qg_heads")
     q = g.call1("slice_cols", qg, start=0, stop=D, name=f"{n}.q_heads")
     gate = g.call1("slice_cols", qg, start=D, stop=2 * D, name=f"{n}.gate_heads")
-    k = _linear(g, cfg, x, f"{p}.self_attn.k_proj", nkv * D, H, dtype, ab, f"{n}.k_proj")
-    v = _linear(g, cfg, x, f"{p}.self_attn.v_proj", nkv * D, H, dtype, ab, f"{n}.v_proj")
     k = g.call1("reshape", k, shape=("T", nkv, D), name=f"{n}.k_heads")
     v = g.call1("reshape", v, shape=("T", nkv, D), name=f"{n}.v_heads")
     q = g.call1("rms_norm", q, g.weight(f"{p}.self_attn.q_norm.weight", dtype, (D,)), eps=eps, offset=off,
@@ -117,10 +131,13 @@ def _gated_deltanet(g: Graph, cfg: ModelConfig, p: str, n: str, i: int, x: Tenso
                       cfg.linear_value_head_dim)
     kd, vd, cd, kc = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
     la = f"{p}.linear_attn"
-    qkv = _linear(g, cfg, x, f"{la}.in_proj_qkv", cd, H, dtype, False, f"{n}.in_proj_qkv")
-    z = _linear(g, cfg, x, f"{la}.in_proj_z", vd, H, dtype, False, f"{n}.in_proj_z")
-    b = _linear(g, cfg, x, f"{la}.in_proj_b", hv, H, dtype, False, f"{n}.in_proj_b")
-    a = _linear(g, cfg, x, f"{la}.in_proj_a", hv, H, dtype, False, f"{n}.in_proj_a")
+    # Qwen3.5/3.6 FP8 checkpoints leave in_proj_b/in_proj_a (hv rows) in bf16 (modules_to_not_convert;
+    # vLLM: "ba_proj doesn't support blockwise fp8 quantization"): those stay plain linears of x
+    qkv, z, b, a = _project(g, cfg, x, [(f"{la}.in_proj_qkv", cd, f"{n}.in_proj_qkv"),
+                                        (f"{la}.in_proj_z", vd, f"{n}.in_proj_z"),
+                                        (f"{la}.in_proj_b", hv, f"{n}.in_proj_b"),
+                                        (f"{la}.in_proj_a", hv, f"{n}.in_proj_a")], H, dtype, False,
+                            f"{n}.in_proj_quant")
     conv_state = g.state(f"gdn_conv.{i}", dtype, ("NS", cd, kc - 1))
     xc, _ = g.call("causal_conv1d", [qkv, conv_state, g.weight(f"{la}.conv1d.weight", dtype, (cd, 1, kc)),
                                      inp["seq_lens"], inp["query_start_loc"], inp["state_slots"]],

@@ -12,6 +12,15 @@ layouts the real producers write, with their quantization_config field by field:
 The non-quantised tensors (embeddings, norms, lm_head) stay bf16, as in the real checkpoints.
 `make_fp8_checkpoint` returns the f32 transformers model whose linears hold the dequantised
 weights W = e4m3 * scale: the oracle without activation rounding.
+
+The Qwen3.5 hybrids (tests/tiny_models.py HYBRID_VARIANTS) are quantised block-wise as Qwen's own
+Qwen3.5/3.6-*-FP8 checkpoints are: every Linear of the text tower in FP8 (gated attention q/k/v/o,
+the Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj, the MLP) but those modules_to_not_convert
+lists, which for Qwen's files (read in copies of Qwen3.5-27B-FP8's config.json: ms-swift's
+quant_args.py modules_to_not_convert list, and a test's copy of Qwen3.6-35B-A3B-FP8's) names, by
+the file's module names, lm_head, the embeddings, every GDN layer's conv1d, in_proj_a and in_proj_b
+(hv rows: vLLM's gdn_linear_attn.py "ba_proj doesn't support blockwise fp8 quantization"), the
+vision tower's linears and the MTP head (none here): hybrid_not_converted writes that list.
 """
 from __future__ import annotations
 
@@ -23,11 +32,14 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import HYBRID_VARIANTS, make_tiny_hybrid, make_tiny_model
 
 E4M3 = ml_dtypes.float8_e4m3fn
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# the Gated DeltaNet projections of a Qwen3.5 hybrid: Linear modules too
+GDN_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+               "linear_attn.in_proj_a", "linear_attn.out_proj")
 
 BLOCK_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
 _ARGS = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8, "observer_kwargs": {},
@@ -63,21 +75,50 @@ def dequantize_block(q: np.ndarray, scale: np.ndarray, bn: int, bk: int) -> np.n
     return q.astype(np.float32) * np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
 
 
+def _leaf(module: str) -> str:
+    """model.layers.3.mlp.up_proj (or model.language_model.layers.3...) -> mlp.up_proj"""
+    parts = module.split(".")
+    return ".".join(parts[parts.index("layers") + 2:]) if "layers" in parts else module
+
+
+def hybrid_not_converted(model) -> list[str]:
+    """modules_to_not_convert as Qwen's Qwen3.5/3.6-*-FP8 files write it (see the module docstring),
+    for the tiny hybrid `model`: lm_head, the embeddings, each GDN layer's conv1d, in_proj_a and
+    in_proj_b, and the vision tower's Linear modules, by the file's module names."""
+    names = ["lm_head"]
+    for name, mod in model.named_modules():
+        leaf = _leaf(name)
+        if name.endswith("embed_tokens") and "visual" not in name:
+            names.append(name)
+        elif leaf in ("linear_attn.conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b"):
+            names.append(name)
+        elif ".visual." in f".{name}." and isinstance(mod, torch.nn.Linear):
+            names.append(name)
+    return names
+
+
 def make_fp8_checkpoint(out_dir: Path, variant: str, layout: str, *, block=(16, 16), not_converted=(),
-                        seed: int = 0, calib_prompts=()):
+                        seed: int = 0, calib_prompts=(), hybrid_overrides=None):
     """Write variant's tiny model quantised into `layout` under out_dir; return the f32
     transformers model holding the dequantised weights (the W8A16 oracle). not_converted:
-    modules left bf16 and listed in the config's skip list. calib_prompts: token lists whose
-    per-linear input amax gives ModelOpt's static input scales."""
-    model = make_tiny_model(out_dir, variant, seed=seed, dtype=torch.float32)
+    modules left bf16 and listed in the config's skip list (a hybrid's always has
+    hybrid_not_converted's too). calib_prompts: token lists whose per-linear input amax gives
+    ModelOpt's static input scales. hybrid_overrides: text-config fields of a hybrid variant."""
+    hybrid = variant in HYBRID_VARIANTS
+    if hybrid:
+        model = make_tiny_hybrid(out_dir, variant, seed=seed, **(hybrid_overrides or {}))
+        not_converted = (*hybrid_not_converted(model), *not_converted)
+    else:
+        model = make_tiny_model(out_dir, variant, seed=seed, dtype=torch.float32)
+    linears = LINEARS + GDN_LINEARS if hybrid else LINEARS
     cfg = json.loads((out_dir / "config.json").read_text())
-    amax = _calibrate(model, calib_prompts) if layout == "modelopt" else {}
+    amax = _calibrate(model, calib_prompts, linears) if layout == "modelopt" else {}
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     out: dict[str, np.ndarray] = {}
     deq: dict[str, torch.Tensor] = {}
     for name, w in sd.items():
         module = name.rsplit(".", 1)[0]
-        if not (name.endswith(".weight") and module.split(".", 3)[-1] in LINEARS) or module in not_converted:
+        if not (name.endswith(".weight") and _leaf(module) in linears) or module in not_converted:
             out[name] = w.astype(ml_dtypes.bfloat16)  # stays bf16, as the real checkpoints keep it
             deq[name] = torch.from_numpy(out[name].astype(np.float32))
             continue
@@ -114,6 +155,7 @@ def make_fp8_checkpoint(out_dir: Path, variant: str, layout: str, *, block=(16, 
     model.load_state_dict(deq, strict=False)
     # what quantize_activations needs to round the activations as the checkpoint says
     model.fp8_layout, model.fp8_block, model.fp8_skip = layout, tuple(block), tuple(not_converted)
+    model.fp8_linears = linears
     model.fp8_input_scales = {k.rsplit(".", 1)[0]: float(v) for k, v in out.items() if k.endswith(".input_scale")}
     return model
 
@@ -161,6 +203,6 @@ def quantize_activations(model):
             return ((q * s).reshape(x.shape),)
         return hook
     for name, mod in model.named_modules():
-        if name.split(".", 3)[-1] in LINEARS and name not in model.fp8_skip:
+        if "layers" in name.split(".") and _leaf(name) in model.fp8_linears and name not in model.fp8_skip:
             mod.register_forward_pre_hook(hook_for(name))
     return model

@@ -75,3 +75,36 @@ def test_sm_90_fp8_gemm_is_e4m3_wgmma_in_every_bucket():
     found = json.loads(r.stdout.strip().splitlines()[-1])
     for key, instrs in found.items():
         assert instrs and all(i.startswith("wgmma.mma_async") and ".e4m3.e4m3" in i for i in instrs), (key, instrs)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_121"])
+def test_every_bucket_of_an_fp8_hybrid_compiles(target):
+    """A block-wise FP8 Qwen3.5 hybrid (3 Gated DeltaNet layers and a gated-attention one) as Qwen's
+    Qwen3.5-*-FP8 checkpoints quantise it, [128, 128] blocks on dimensions that are multiples of
+    128 (tests/test_fp8_hybrid.py WIDE), in_proj_a/in_proj_b left bf16 by modules_to_not_convert:
+    every quantised linear is one fp8_gemm_kernel launch in every plan, the bf16 in_proj_b/a one
+    GEMM, and the e4m3 weights and their scales are in the manifest."""
+    from tests.test_fp8_hybrid import WIDE
+    from tests.tiny_models import HYBRID_BASE
+
+    skip = [f"model.layers.{i}.linear_attn.in_proj_{c}" for i in range(3) for c in "ab"]
+    qc = {**BLOCK_CONFIG, "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", *skip]}
+    cfg = ModelConfig.from_hf_dict({**HYBRID_BASE, **WIDE, "num_hidden_layers": 4, "max_position_embeddings": 256,
+                                    "architectures": ["Qwen3_5ForCausalLM"], "quantization_config": qc})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    n_fp8 = [n.op for n in graph.nodes.values()].count("linear_fp8")
+    assert n_fp8 == 3 * 3 + 4 + 4 * 3  # GDN in_proj_qkv, in_proj_z, out_proj; q/k/v/o; the MLPs
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    meta, plans = b.manifest["kernels"], b.manifest["plans"]
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    for p in plans.values():
+        names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
+        assert names["fp8_gemm_kernel"] == n_fp8, p["bucket"]
+    weights = b.manifest["weights"]
+    assert weights["model.layers.0.linear_attn.in_proj_qkv.weight"][0] == "fp8e4m3"
+    assert weights["model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"][:2] == ["f32", [2, 2]]
+    assert weights["model.layers.3.self_attn.q_proj.weight"][0] == "fp8e4m3"
+    assert not any(w[0] == "fp8e4m3" for name, w in weights.items() if "in_proj_a" in name or "in_proj_b" in name)
+    print(f"Qwen3_5ForCausalLM FP8 {target}: {len(b.kernels)} cubins, "
+          f"{sum(1 for k in meta.values() if k['name'] == 'fp8_gemm_kernel')} of them fp8_gemm_kernel")

@@ -1,7 +1,8 @@
 """FP8 W8A8 checkpoints on the GPU (codegen/triton/fp8_gemm.py, fp8_quant.py): the tiny FP8
 checkpoints of tests/fp8_checkpoints.py (block-wise with weight_scale_inv and some linears left
 bf16, compressed-tensors per channel, ModelOpt per tensor with static input scales) through the
-GPU engine, against the cpu target's executor, and the engine's invariance.
+GPU engine, against the cpu target's executor, and the engine's invariance; and a block-wise FP8
+Qwen3.5 hybrid (Gated DeltaNet and gated attention, tests/test_fp8_hybrid.py) the same way.
 
 Logits oracle. The cpu target runs the FP8 graph with f32 activations, a GPU target with bf16 ones
 (loader.build_graph), so the two differ by more than the FP8 kernels' own error (those are
@@ -35,7 +36,10 @@ torch = pytest.importorskip("torch")
 
 SKIP = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
 CASES = [("llama_gqa_untied", "block", SKIP), ("qwen3_qknorm", "block", ()), ("llama_gqa_untied", "channel", ()),
-         ("qwen3_qknorm", "modelopt", ())]
+         ("qwen3_qknorm", "modelopt", ()),
+         # a Qwen3.5 hybrid as Qwen's FP8 checkpoints quantise it (in_proj_a/b, conv1d bf16) and one
+         # GDN out_proj left bf16 too (tests/test_fp8_hybrid.py)
+         ("qwen3_5_causal", "block", ("model.layers.0.linear_attn.out_proj",))]
 
 
 def _prompts(n: int, seed: int, vocab: int = 256):
@@ -52,14 +56,16 @@ def fp8(request, tmp_path_factory, gpu_target):
     gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
                max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
     # the same FP8 graph with bf16 activations, on numpy: what the storage dtype alone does
-    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512)
+    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
+                       num_state_slots=64)  # a hybrid's GDN state: one slot a prompt (_last_logits)
     return f"{variant}-{layout}", d, cpu, gpu, bf16
 
 
 def _last_logits(executor, out_name, prompts):
     """Each prompt's last-position logits, all prompts in one step: [len(prompts), V] f32."""
     free = iter(range(executor.num_blocks))
-    chunks = [SeqChunk(p, 0, [next(free) for _ in range(-(-len(p) // 16))]) for p in prompts]
+    chunks = [SeqChunk(p, 0, [next(free) for _ in range(-(-len(p) // 16))], state_slot=i + 1)
+              for i, p in enumerate(prompts)]
     return np.asarray(executor.execute(prepare_step(chunks, 16))[out_name], np.float32)
 
 
