@@ -11,7 +11,8 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.codegen.buckets import Bucket, make_buckets
-from kiln.codegen.lower import Regions, encode_args, input_layout, is_hybrid, lower_bucket
+from kiln.codegen.lower import COLLECTIVES, Regions, encode_args, encode_nccl, input_layout, is_hybrid, lower_bucket
+from kiln.codegen.triton.collective import NcclCall
 from kiln.codegen.triton.aot import cache_key, compile_specs, default_cache_dir
 from kiln.codegen.triton.configs import DEFAULT, Configs
 from kiln.codegen.triton.sampling import sampler_manifest, sampler_specs
@@ -49,6 +50,10 @@ def pdl_launches(launches: list, plain: str = "named") -> list:
         raise ValueError(f"pdl plain rule {plain!r}: one of {', '.join(PDL_PLAIN_RULES)}")
     out, prev = [], None
     for spec, args in launches:
+        if isinstance(spec, NcclCall):  # not a kernel; the launch after it goes out plainly (cuda_executor)
+            out.append((spec, args))
+            prev = spec
+            continue
         go_plain = False
         if prev is not None and spec.kernel in GEMM_KERNELS:
             if wide is not None:
@@ -74,8 +79,10 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
                    buckets: list[Bucket] | None = None, configs: Configs = DEFAULT,
                    progress: Callable[[str], None] = lambda s: None, batch_invariant: bool = True,
                    pdl: bool | None = None, fuse_merge: bool = True, pdl_plain: str = "named",
-                   bar: Callable[[str, int], Any] | None = None) -> Bundle:
-    """bar(desc, total): a tqdm-like bar (.update(n), .close()) moved as buckets are lowered and
+                   bar: Callable[[str, int], Any] | None = None, collective: str = "nccl") -> Bundle:
+    """collective: how a tensor-parallel graph's collectives run (codegen/lower.py COLLECTIVES):
+    NCCL calls in the plan, or the peer-memory kernels.
+    bar(desc, total): a tqdm-like bar (.update(n), .close()) moved as buckets are lowered and
     then as kernels compile (instead of a progress line per bucket).
     pdl: compile the plans' kernels for programmatic dependent launch (codegen/triton/pdl.py),
     but the GEMMs pdl_launches' rule `pdl_plain` names;
@@ -97,7 +104,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
                 progress(f"lowering bucket {b.name} ({i + 1}/{len(buckets)})")
             recorded[b] = lower_bucket(graph, plan, b, max_blocks_per_seq=mb, regions=regions,
                                        max_model_len=max_model_len, configs=configs, arch=target,
-                                       batch_invariant=batch_invariant, fuse_merge=fuse_merge)
+                                       batch_invariant=batch_invariant, fuse_merge=fuse_merge,
+                                       collective=collective)
             if lowering is not None:
                 lowering.update(1)
     finally:
@@ -110,7 +118,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     specs: dict[str, Any] = {}
     for launches in recorded.values():
         for spec, _ in launches:
-            specs.setdefault(cache_key(spec, target), spec)
+            if not isinstance(spec, NcclCall):
+                specs.setdefault(cache_key(spec, target), spec)
     # The sampler's kernels, for the model's vocabulary: the runtime launches them on the
     # logits rows the plan leaves in the arena (runtime/sample/gpu_sampler.py), by argument name.
     sampler = sampler_specs(int(graph.tensors[graph.outputs[0]].shape[1]))
@@ -134,7 +143,9 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         plans[b.name] = {
             "bucket": [b.tokens, b.seqs, b.logits, b.decode],
             "inputs": {n: [off, list(shape)] for n, (off, _, shape) in input_layout(b, mb, is_hybrid(graph)).items()},
-            "launches": [[cache_key(spec, target), list(spec.grid), encode_args(spec, args)]
+            # an NCCL entry: ["nccl", [], {op, dtype, count, red, send, recv}] (codegen/lower.py encode_nccl)
+            "launches": [["nccl", [], encode_nccl(spec)] if isinstance(spec, NcclCall)
+                         else [cache_key(spec, target), list(spec.grid), encode_args(spec, args)]
                          for spec, args in launches],
         }
     out_name = graph.outputs[0]
@@ -142,6 +153,8 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
         "target": target, "config_hash": config_hash, "model_config": model_config,
         "block_size": block_size, "max_model_len": max_model_len, "batch_invariant": batch_invariant,
         "pdl": bool(pdl),
+        # a tensor-parallel plan's group size and how its collectives run (None: one GPU)
+        "tensor_parallel": _tensor_parallel(graph, collective),
         "kv_cache_dtype": graph.attrs.get("kv_cache_dtype"),
         "max_blocks_per_seq": mb,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -163,6 +176,15 @@ def compile_bundle(graph: Graph, *, target: str, model_config: dict[str, Any], c
     }
     consts = {k: np.ascontiguousarray(v) for k, v in regions.consts.items()}
     return Bundle(manifest, kernels, consts)
+
+
+def _tensor_parallel(graph: Graph, collective: str) -> dict[str, Any] | None:
+    sizes = {int(n.attrs["world_size"]) for n in graph.nodes.values() if n.op in ("all_reduce", "all_gather")}
+    if not sizes:
+        return None
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective {collective!r}: one of {', '.join(COLLECTIVES)}")
+    return {"world_size": max(sizes), "collective": collective}
 
 
 def compile_bundle_cached(graph: Graph, *, cache_tag: str, cache_dir: str | Path | None = None,

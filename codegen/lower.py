@@ -50,6 +50,11 @@ HYBRID_STEP_INPUTS = STEP_INPUTS[:-1] + ("state_slots", "num_logits")
 
 
 SPLIT_KV_MAX_SEQS = 64
+# How a tensor-parallel plan's collectives run (docs/TENSOR_PARALLEL.md): "nccl", NCCL calls in
+# the plan (the runtime built); "peer", the rank-order kernels over the peers' mapped arenas
+# between flag barriers (compile only: no runtime maps the peers yet).
+COLLECTIVES = ("nccl", "peer")
+NCCL_GATHER = "nccl_gather"  # the workspace region NCCL all-gathers into: [WORLD, rows, n]
 MERGE_COUNTER = "attn_merge_counter"  # the region of the split-KV merge counters (op_paged_attention)
 
 
@@ -105,7 +110,10 @@ def input_bytes(bucket: Bucket, mb: int, hybrid: bool = False) -> int:
 class _Lowerer:
     def __init__(self, graph: Graph, plan: MemoryPlan, bucket: Bucket, mb: int, regions: Regions,
                  configs: Configs, arch: str, max_model_len: int, batch_invariant: bool = True,
-                 fuse_merge: bool = True) -> None:
+                 fuse_merge: bool = True, collective: str = "nccl") -> None:
+        if collective not in COLLECTIVES:
+            raise LoweringError(f"collective {collective!r}: one of {', '.join(COLLECTIVES)}")
+        self.collective = collective
         self.g, self.plan, self.bucket, self.regions = graph, plan, bucket, regions
         self.batch_invariant, self.fuse_merge = batch_invariant, fuse_merge
         self.configs, self.arch, self.max_model_len = configs, arch, max_model_len
@@ -122,6 +130,8 @@ class _Lowerer:
         self.partials: dict[str, tuple[Buf, int]] = {}  # GEMM output -> (its unreduced split-K partials, S)
         self.done: set[str] = set()  # nodes another op's launches already computed (op_linear_add's norm)
         self.visited: set[str] = set()  # nodes lowered so far, in topological order
+        self.position: dict[str, int] = {}  # node -> its place in the topological order (lower())
+        self.moe_pending: dict[str, tuple] = {}  # moe_experts output -> (o, weights, n_rows): its sum not yet run
         regions.need("inputs", input_bytes(bucket, mb, self.hybrid))
 
     def state_root(self, name: str) -> str:
@@ -186,7 +196,9 @@ class _Lowerer:
 
     def lower(self) -> list[tuple[KernelSpec, list[Any]]]:
         with recording() as launches:
-            for node in self.g.topo_order():
+            order = self.g.topo_order()
+            self.position = {n.name: i for i, n in enumerate(order)}
+            for node in order:
                 self.visited.add(node.name)
                 if node.name in self.done:
                     continue
@@ -513,6 +525,12 @@ class _Lowerer:
         out = node.outputs[0]
         users = self.users.get(out, [])
         fused = users[0] if len(users) == 1 and users[0].op == "add" and out not in self.g.outputs else None
+        routed = next((t for t in fused.inputs if t in self.moe_pending), None) if fused is not None else None
+        if routed is not None:  # the routed experts' rank-order sum, this product and the add: one launch
+            o, tw, n_rows = self.moe_pending.pop(routed)
+            k_moe.moe_sum(o, tw, self.buf(fused.outputs[0]), n_rows=n_rows, shared=(self.buf(x), self.buf(gate)))
+            self.done.add(fused.name)
+            return
         addend = None
         if fused is not None:
             other = [t for t in fused.inputs if t != out]
@@ -560,11 +578,31 @@ class _Lowerer:
                        Buf(ptr=self.regions.ptr("tp_epoch"), shape=(1,), dtype=i32),
                        Buf(ptr=self.regions.ptr("tp_rank"), shape=(1,), dtype=i32))
 
+    def _nccl_gathered(self, x: str, world: int) -> list[Buf]:
+        """NCCL all-gathers every rank's x into this rank's workspace [WORLD, *x]: the ranks'
+        copies of x, each a buffer in this rank's memory."""
+        xb = self.buf(x)
+        ws = self.workspace(NCCL_GATHER, (world, *xb.shape), xb.np_dtype)
+        k_coll.nccl_all_gather(xb, ws)
+        return k_coll.rank_slices(ws)
+
     def op_all_reduce(self, node) -> None:
-        """barrier (every rank's partial written), the rank-order sum, barrier (every rank done
-        reading before any partial's bytes are reused)."""
+        """nccl: two ranks (or a group of one: tests/gpu/test_gpu_nccl.py), one ncclAllReduce (a
+        sum of two addends is the same bits in either order and every NCCL algorithm adds them
+        once, so it equals the rank-order reference in every bucket); more ranks, ncclAllGather
+        of the partials and the rank-order sum kernel over the gathered copies (NCCL's own
+        reduction order for three or more follows the message size, i.e. the bucket:
+        docs/TENSOR_PARALLEL.md).
+        peer: barrier (every rank's partial written), the rank-order sum over the peers'
+        arenas, barrier (every rank done reading before any partial's bytes are reused)."""
         (x,), (out,) = node.inputs, node.outputs
         world = int(node.attrs["world_size"])
+        if self.collective == "nccl":
+            if world <= 2:
+                k_coll.nccl_all_reduce(self.buf(x), self.buf(out))
+            else:
+                k_coll.all_reduce(self._nccl_gathered(x, world), self.buf(out), n_rows=self.n_rows(out))
+            return
         peers = self._tp_peers(x, world)
         self._tp_barrier(world)
         k_coll.all_reduce(peers, self.buf(out), n_rows=self.n_rows(out))
@@ -573,6 +611,10 @@ class _Lowerer:
     def op_all_gather(self, node) -> None:
         (x,), (out,) = node.inputs, node.outputs
         world = int(node.attrs["world_size"])
+        if self.collective == "nccl":  # NCCL gathers whole buffers; the columns go side by side here
+            k_coll.all_gather(self._nccl_gathered(x, world), int(node.attrs["size"]), self.buf(out),
+                              n_rows=self.n_rows(out))
+            return
         peers = self._tp_peers(x, world)
         self._tp_barrier(world)
         k_coll.all_gather(peers, int(node.attrs["size"]), self.buf(out), n_rows=self.n_rows(out))
@@ -617,8 +659,40 @@ class _Lowerer:
         need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=path, block_m=tiles[0].block_m)
         ws = {name: self.workspace(f"moe_{name}", shape, x.np_dtype if d == dt else np.dtype(d))
               for name, (shape, d) in need.items()}
+        defer = self._defer_moe_sum(node, path)
         k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=path, tiles=tiles,
-                          n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch)
+                          n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch, defer_sum=defer)
+        if defer:
+            self.moe_pending[node.outputs[0]] = (ws["o"], weights, self.n_rows(node.inputs[0]))
+
+    def _defer_moe_sum(self, node, path: str) -> bool:
+        """Whether a MoE layer's rank-order sum (moe_sum_kernel) waits for the shared expert's
+        sigmoid_mul, which then runs it with its product and the add in one launch (op_sigmoid_mul,
+        moe.moe_sum): where the layer's output y has one user, an add with the output of a
+        sigmoid_mul of [T, H] by a [T, 1] gate that has no other user and runs later, and no other
+        MoE layer (the `moe_o` scratch's other writer) lowers in between. Numerics unchanged: the
+        same sum, rounding, product and add as the three ops (issue 37: the decode path then has
+        gate_up, down and this launch, as many as before its down GEMM was split by assignment)."""
+        y = node.outputs[0]
+        if path not in ("decode", "grouped") or y in self.g.outputs:
+            return False
+        users = self.users.get(y, [])
+        if len(users) != 1 or users[0].op != "add":
+            return False
+        add = users[0]
+        other = [t for t in add.inputs if t != y]
+        sm = self.g.producer(other[0]) if len(other) == 1 else None
+        if sm is None or sm.op != "sigmoid_mul" or sm.name in self.visited or other[0] in self.g.outputs:
+            return False
+        if [u.name for u in self.users.get(other[0], [])] != [add.name]:
+            return False
+        xs, gs = (self.g.tensors[t] for t in sm.inputs)
+        ys = self.g.tensors[y]
+        if tuple(xs.shape) != tuple(ys.shape) or len(gs.shape) != 2 or gs.shape[1] != 1 or xs.dtype != ys.dtype:
+            return False
+        lo, hi = self.position[node.name], self.position[sm.name]
+        return not any(self.position[n.name] in range(lo + 1, hi) for n in self.g.nodes.values()
+                       if n.op in ("moe_experts", "moe_experts_gguf"))
 
     def op_moe_experts_gguf(self, node) -> None:
         """op_moe_experts with the experts in GGUF blocks (graph/gguf_ops.py): the same path, tiles
@@ -633,9 +707,12 @@ class _Lowerer:
         need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=cfg.path, block_m=cfg.tiles[0].block_m)
         ws = {name: self.workspace(f"moe_{name}", shape, x.np_dtype if d == dt else np.dtype(d))
               for name, (shape, d) in need.items()}
+        defer = self._defer_moe_sum(node, cfg.path)
         k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=cfg.path, tiles=cfg.tiles,
                           n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch,
-                          qtypes=tuple(node.attrs["qtypes"]))
+                          qtypes=tuple(node.attrs["qtypes"]), defer_sum=defer)
+        if defer:
+            self.moe_pending[node.outputs[0]] = (ws["o"], weights, self.n_rows(node.inputs[0]))
 
     def op_paged_attention(self, node) -> None:
         q, cache, bt, sl, qsl = node.inputs
@@ -662,12 +739,23 @@ class _Lowerer:
 
 def lower_bucket(graph: Graph, plan: MemoryPlan, bucket: Bucket, *, max_blocks_per_seq: int, regions: Regions,
                  max_model_len: int, configs: Configs = DEFAULT, arch: str = "sm_90", batch_invariant: bool = True,
-                 fuse_merge: bool = True):
-    """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`.
+                 fuse_merge: bool = True, collective: str = "nccl"):
+    """-> [(KernelSpec, args)] for one bucket; args hold symbolic pointers into `regions`;
+    a tensor-parallel graph's NCCL calls are (NcclCall, None) entries among them.
     batch_invariant=False exists only to measure what invariance costs (docs/BENCHMARKS.md);
     fuse_merge=False (split-KV decode merges in a second launch, same bits) only to A/B it."""
     return _Lowerer(graph, plan, bucket, max_blocks_per_seq, regions, configs, arch, max_model_len,
-                    batch_invariant, fuse_merge).lower()
+                    batch_invariant, fuse_merge, collective).lower()
+
+
+def encode_ptr(p: int) -> list[int]:
+    return [p >> REGION_SHIFT, p & ((1 << REGION_SHIFT) - 1)]
+
+
+def encode_nccl(call: k_coll.NcclCall) -> dict[str, Any]:
+    """A plan's NCCL entry: op, dtype, element count, reduction, send/recv as [region, offset]."""
+    return {"op": call.op, "dtype": call.dtype, "count": call.count, "red": call.red,
+            "send": encode_ptr(call.send.data_ptr()), "recv": encode_ptr(call.recv.data_ptr())}
 
 
 def encode_args(spec: KernelSpec, args: list[Any]) -> list[Any]:

@@ -1,31 +1,40 @@
-"""The tensor-parallel kernels of the GPU design (docs/TENSOR_PARALLEL.md), first pieces:
+"""The tensor-parallel pieces of GPU plans (docs/TENSOR_PARALLEL.md).
+
+NCCL (the default, codegen/lower.py collective="nccl"): `NcclCall` plan entries the runtime
+issues on the step's stream (ncclAllReduce for two ranks; ncclAllGather into a workspace for
+the logits and for more ranks), and the kernels below over the gathered copies in this rank's
+own memory (`rank_slices`): the rank-order sum and the columns side by side.
+
+The peer-memory design (collective="peer", compiled, no runtime yet):
 
 - `all_reduce_kernel`: out = ((x_0 + x_1) + x_2) + ... over the ranks' partials, in rank order
   in f32 (graph/collective_ops.py all_reduce_reference), each x_r read from rank r's buffer
   (peer memory mapped into this rank: cuMemExportToShareableHandle / IPC, exchanged at start-up).
   The same order on every rank and in every bucket: the results are bit-identical across ranks,
-  and a token's sum does not depend on the bucket (NCCL's size-dependent algorithms would break
-  DESIGN.md's invariance, which is why the reduction is ours, as vLLM's custom all-reduce is
-  for small messages).
+  and a token's sum does not depend on the bucket (NCCL's own reduction of three or more ranks
+  follows the message size, which would break DESIGN.md's invariance: with NCCL the kernel runs
+  on NCCL-gathered copies instead of peer pointers).
 - `all_gather_kernel`: the logits' columns from every rank side by side, cut to the vocabulary.
 - `vocab_embedding_kernel`: the masked lookup of a rank's vocabulary rows; the rank's first id
   is read from a device scalar, so one compiled plan serves every rank (the rank is a run-time
   argument, not a compile-time one).
 
+- `barrier_kernel`: the flag barrier ordering a rank's reads after its peers' writes.
+
 Up to 8 ranks (one host's GPUs): the peers are separate pointer arguments, those past WORLD
-unused. Not here yet: the flag barrier that orders a rank's reads after its peers' writes (a
-kernel over a peer-visible flag array with a device-side epoch, so CUDA-graph replays advance
-it), the lowering of the graph's collectives to these launches, and the executor that maps the
-peers' buffers. Rows past *n_rows_ptr (bucket padding) are left alone.
+unused. Not here yet: the executor that maps the peers' buffers. Rows past *n_rows_ptr (bucket
+padding) are left alone.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import triton
 import triton.language as tl
 
-from kiln.codegen.triton.launch import (KernelSpec, as_buf, cdiv, check, check_dtype, dtype_name, launch,
-                                        shape_of, sig_type)
+from kiln.codegen.triton.launch import (Buf, KernelSpec, as_buf, cdiv, check, check_dtype, dtype_name, launch,
+                                        record_call, shape_of, sig_type)
 
 MAX_WORLD = 8
 BLOCK = 1024
@@ -200,3 +209,59 @@ def vocab_embedding(ids, table, vocab_start, n_valid: int, out=None, *, n_rows=N
     out = as_buf(out if out is not None else np.empty((t, n), dtype=table.dtype))
     launch(vocab_embedding_spec(t, n, dtype_name(table)), [ids, table, out, _rows(n_rows, t), vocab_start, n_valid])
     return out.array if getattr(out, "on_host", False) else out
+
+
+# -- NCCL (issue 44; docs/TENSOR_PARALLEL.md "NCCL in the plan") ------------------------------
+NCCL_OPS = ("all_reduce", "all_gather")
+
+
+@dataclass(frozen=True)
+class NcclCall:
+    """A plan entry that is an NCCL call on this rank's own buffers, not a kernel: the runtime
+    issues it on the step's stream in launch order (runtime/worker/cuda_executor.py), so a
+    decode plan still captures as one CUDA graph (NCCL's kernels are captured like ours).
+    all_reduce: recv[i] = sum over ranks of send[i], `count` elements; all_gather: recv =
+    every rank's `count` elements of send one after another, in rank order."""
+    op: str
+    dtype: str  # numpy name: bfloat16, float32
+    count: int
+    send: Buf
+    recv: Buf
+    red: str = "sum"
+    kernel = "nccl"  # what code reading a plan's spec.kernel sees (compile.py pdl_launches)
+    grid = ()
+
+    def __post_init__(self):
+        check(self.op in NCCL_OPS, f"an NCCL plan entry is one of {', '.join(NCCL_OPS)}, not {self.op!r}")
+        check(self.count > 0, f"an NCCL {self.op} of {self.count} elements")
+
+
+def _contiguous(b: Buf, what: str) -> Buf:
+    check(b.strides == tuple(int(np.prod(b.shape[i + 1:])) for i in range(len(b.shape))),
+          f"NCCL {what}: the buffer must be contiguous (strides {b.strides} for shape {b.shape})")
+    return b
+
+
+def nccl_all_reduce(x: Buf, out: Buf) -> None:
+    """Record out = the ranks' x summed by NCCL (every element, padded rows too: the count is
+    the bucket's, fixed, so the call captures)."""
+    check(x.shape == out.shape and dtype_name(x) == dtype_name(out), "nccl all_reduce: x and out differ")
+    record_call(NcclCall("all_reduce", dtype_name(x), int(np.prod(x.shape)), _contiguous(x, "all_reduce"),
+                         _contiguous(out, "all_reduce")))
+
+
+def nccl_all_gather(x: Buf, gathered: Buf) -> None:
+    """Record gathered [WORLD, *x.shape] = every rank's x in rank order (a copy: no arithmetic,
+    so its bytes cannot depend on NCCL's algorithm)."""
+    check(tuple(gathered.shape[1:]) == tuple(x.shape) and dtype_name(x) == dtype_name(gathered),
+          "nccl all_gather: the gathered buffer is not [WORLD, *x.shape] of x's dtype")
+    record_call(NcclCall("all_gather", dtype_name(x), int(np.prod(x.shape)), _contiguous(x, "all_gather"),
+                         _contiguous(gathered, "all_gather")))
+
+
+def rank_slices(gathered: Buf) -> list[Buf]:
+    """[WORLD, rows, n] -> the WORLD [rows, n] buffers inside it (the peers of all_reduce /
+    all_gather_kernel, read from this rank's own memory)."""
+    world, *shape = gathered.shape
+    step = int(np.prod(shape)) * gathered.np_dtype.itemsize
+    return [Buf(ptr=gathered.ptr + r * step, shape=tuple(shape), dtype=gathered.np_dtype) for r in range(world)]

@@ -249,6 +249,16 @@ def recording():
         _RECORDER.reset(token)
 
 
+def record_call(entry: Any) -> None:
+    """Put a plan entry that is not a kernel (an NCCL call: codegen/triton/collective.py
+    NcclCall) into the plan being recorded, in launch order. Such an entry only exists in a
+    plan: outside recording() there is nothing to run it."""
+    recorder = _RECORDER.get()
+    if recorder is None:
+        raise RuntimeError(f"{type(entry).__name__} is a plan entry: it can only be recorded into a plan")
+    recorder.append((entry, None))
+
+
 def launch(spec: KernelSpec, args: Sequence[Any]) -> None:
     """Run `spec` with positional non-constexpr `args` (Bufs, torch tensors, ints, floats).
 

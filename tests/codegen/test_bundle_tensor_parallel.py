@@ -20,13 +20,13 @@ from kiln.passes.pipeline import default_passes, run_pipeline
 from tests.tiny_models import BASE
 
 
-def _bundle(cfg, rank: int):
+def _bundle(cfg, rank: int):  # the peer-memory kernels (NCCL is the default: test_bundle_nccl.py)
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16),
                          passes=default_passes(shard=tensor_parallel_pass(cfg, 2, rank)))
     buckets = make_buckets(8, 64)
     return compile_bundle(graph, target="sm_90", model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
                           max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                          buckets=[buckets[0], buckets[-1]])
+                          buckets=[buckets[0], buckets[-1]], collective="peer")
 
 
 @pytest.mark.slow
