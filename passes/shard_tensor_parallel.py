@@ -72,10 +72,13 @@ QUANTISED_LINEARS = ("linear_fp8", "linear_nvfp4", "linear_gguf")
 class ShardTensorParallel(Pass):
     name = "shard_tensor_parallel"
 
-    def __init__(self, dims: TensorParallelDims, world_size: int, rank: int) -> None:
+    def __init__(self, dims: TensorParallelDims, world_size: int, rank: int, *, group_of_one: bool = False) -> None:
+        """group_of_one: with world_size 1, rewrite anyway (whole slices, collectives over one
+        rank): a tensor-parallel plan that one GPU can run (tests/gpu/test_gpu_nccl.py)."""
         if not 0 <= rank < world_size:
             raise TensorParallelError(f"rank {rank} is not in a tensor-parallel group of {world_size}")
         self.d, self.n, self.r = dims, world_size, rank
+        self.group_of_one = group_of_one
 
     # -- what each rank holds --------------------------------------------------------------
     def check(self) -> None:
@@ -151,7 +154,7 @@ class ShardTensorParallel(Pass):
 
     # -- the rewrite -----------------------------------------------------------------------
     def run(self, graph: Graph) -> bool:
-        if self.n == 1:
+        if self.n == 1 and not self.group_of_one:
             return False
         self.check()
         for node in graph.nodes.values():

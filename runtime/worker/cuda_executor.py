@@ -9,6 +9,13 @@ Per step: pad to the smallest bucket that holds it, the step inputs staged and
 copied in off the main stream (runtime/worker/input_stager.py), the bucket's launches
 (decode buckets replay a CUDA graph captured on first use), then the GpuSampler on
 the logits rows, or one device->host copy of the sampled rows' logits.
+
+A tensor-parallel rank (issue 44) gets `nccl`, its group's bootstrap: the communicator is made
+once the context is current, the plan's NCCL entries are bound to it and issued on the step's
+stream between the kernels, and `region_values` fills the rank's own scalars (its first
+vocabulary id). A decode bucket with NCCL calls runs eagerly the first time and is captured
+the second: NCCL connects its channels lazily on a call's first use, which must not happen
+inside a capture.
 """
 from __future__ import annotations
 
@@ -32,12 +39,28 @@ ARCH_OF_TARGET = {"sm_90": 90, "sm_121": 121}
 class CudaExecutor:
     def __init__(self, bundle: Bundle, load_weight: Callable[[str], np.ndarray], *, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, use_cuda_graphs: bool = True,
-                 ctx: CudaContext | None = None, num_state_slots: int | None = None) -> None:
+                 ctx: CudaContext | None = None, num_state_slots: int | None = None, nccl=None,
+                 region_values: Mapping[str, np.ndarray] | None = None) -> None:
         """num_state_slots: a hybrid model's Gated DeltaNet state slots (the NS dim of its
         gdn_* states; slot 0 is the null slot), by default one per sequence the bundle runs at
-        once plus the null one. They are allocated before the KV cache takes what is left."""
+        once plus the null one. They are allocated before the KV cache takes what is left.
+        nccl: a tensor-parallel rank's NcclBootstrap (runtime/worker/nccl.py), required by a
+        bundle whose plans hold NCCL calls; region_values: region name -> the bytes it starts
+        with (after the zeroing), e.g. "tp_vocab_start"."""
         m = bundle.manifest
+        tp = m.get("tensor_parallel")
+        if tp and tp.get("collective") != "nccl":
+            raise BundleError(f"this bundle's collectives are {tp.get('collective')!r} kernels, which no runtime "
+                              "runs yet: recompile it (NCCL is the default)")
+        if tp and (nccl is None or nccl.world_size != tp["world_size"]):
+            raise BundleError(f"this bundle is a rank's plan in a {tp['world_size']}-GPU tensor-parallel group: "
+                              f"load it with tensor_parallel_size {tp['world_size']}")
         self.ctx = ctx or CudaContext()
+        self.comm = None
+        if tp:
+            from kiln.runtime.worker.nccl import NcclCommunicator
+
+            self.comm = NcclCommunicator(nccl)
         want = ARCH_OF_TARGET.get(m["target"])
         if want != self.ctx.arch:
             raise BundleError(f"this bundle was compiled for {m['target']}, but the GPU is sm_{self.ctx.arch}: "
@@ -54,6 +77,9 @@ class CudaExecutor:
         for name, nbytes in m["region_bytes"].items():  # zeroed: the split-KV merge counters must start at 0
             bases[name] = self.ctx.malloc(nbytes)
             self.ctx.memset(bases[name], nbytes)
+        for name, arr in (region_values or {}).items():
+            if name in bases:  # a region the plans read (a bundle without the op has none)
+                self.ctx.upload(bases[name], np.ascontiguousarray(arr))
         slotted = {n: v for n, v in m["states"].items() if v[1][0] == "NS"}
         self.num_state_slots = (m["max_num_seqs"] + 1 if num_state_slots is None else num_state_slots) if slotted else 0
         for name, (dtype, shape) in slotted.items():
@@ -74,7 +100,7 @@ class CudaExecutor:
         # descriptors on the device): launches run one after another on one stream, so they
         # share it; sized for the largest grid of any plan.
         need = max((self.kernels[key].scratch_bytes(grid) for p in m["plans"].values()
-                    for key, grid, _ in p["launches"]), default=0)
+                    for key, grid, _ in p["launches"] if key != "nccl"), default=0)
         self.scratch = self.ctx.malloc(need) if need else 0
         ptr_of = [bases[r] if r in bases else None for r in m["regions"]]
         self.plans = {name: self._resolve(p, ptr_of) for name, p in m["plans"].items()}
@@ -93,6 +119,7 @@ class CudaExecutor:
         max_rows = max(p["logits"] for p in self.plans.values())
         self.host_logits = self.ctx.host_alloc(max_rows * self.vocab * 4).view(np.float32).reshape(max_rows, -1)
         self.graphs: dict[str, object] = {}
+        self._warm: set[str] = set()  # decode buckets with NCCL calls run once eagerly (see the module doc)
 
     # -- load ---------------------------------------------------------------------------
     def _upload_weight(self, load_weight, name: str, dtype: str, shape, parts: list | None = None,
@@ -147,6 +174,9 @@ class CudaExecutor:
         t, s, l_, decode = plan["bucket"]
         launches = []
         for key, grid, args in plan["launches"]:
+            if key == "nccl":  # (an NCCL call, None grid, the bound call, None)
+                launches.append((NcclLaunch(args["op"]), None, self._nccl_call(args, ptr_of), None))
+                continue
             kernel = self.kernels[key]
             sig = self.manifest["kernels"][key]["signature"]
             vals, types = [], []
@@ -163,10 +193,26 @@ class CudaExecutor:
             g = tuple(grid) + (1,) * (3 - len(grid))
             # PDL kernels overlap their predecessor's tail (codegen/triton/pdl.py); a plan's
             # first launch reads the inputs the stage kernel writes, and goes out plainly
-            cfg = self.ctx.pdl_config(kernel, g) if kernel.pdl and launches else None
+            # and so does a launch behind an NCCL call (NCCL's kernel does not signal PDL)
+            cfg = self.ctx.pdl_config(kernel, g) if kernel.pdl and launches and launches[-1][1] is not None else None
             launches.append((kernel, g, (tuple(vals), tuple(types)), cfg))
         return {"tokens": t, "seqs": s, "logits": l_, "decode": decode, "inputs": plan["inputs"],
-                "launches": launches, "name": f"{'d' if decode else 'm'}{t}x{s}"}
+                "launches": launches, "name": f"{'d' if decode else 'm'}{t}x{s}",
+                "nccl": any(g is None for _, g, _, _ in launches)}
+
+    def _nccl_call(self, args: dict, ptr_of: list):
+        """A plan's NCCL entry bound to this rank's communicator, buffers and stream."""
+        from kiln.runtime.worker.nccl import nccl_dtype, nccl_op
+
+        send, recv = (ptr_of[args[k][0]] + args[k][1] for k in ("send", "recv"))
+        lib, comm, stream = self.comm.lib, self.comm.comm, int(self.ctx.stream)
+        dtype, count = nccl_dtype(args["dtype"]), int(args["count"])
+        if args["op"] == "all_reduce":
+            op = nccl_op(args.get("red", "sum"))
+            return lambda: lib.all_reduce(send, recv, count, dtype, op, comm, stream)
+        if args["op"] == "all_gather":
+            return lambda: lib.all_gather(send, recv, count, dtype, comm, stream)
+        raise BundleError(f"this bundle's plan holds an NCCL {args['op']!r}, which this kiln does not run")
 
     # -- one step -----------------------------------------------------------------------
     def _pick(self, t: int, s: int, l_: int) -> dict:
@@ -272,7 +318,10 @@ class CudaExecutor:
             prev, src_idx, dst_idx = feed
             feed = (prev.ids_dev, src_idx, dst_idx)
         self.stager.put(nbytes, p["inputs"]["input_ids"][0], p["tokens"], feed)
-        if p["decode"] and self.use_cuda_graphs:
+        if p["decode"] and self.use_cuda_graphs and p["nccl"] and p["name"] not in self._warm:
+            self._warm.add(p["name"])  # NCCL's lazy set-up for these calls happens now, not under capture
+            self._launch_all(p)
+        elif p["decode"] and self.use_cuda_graphs:
             graph = self.graphs.get(p["name"])
             if graph is None:
                 ctx.begin_capture()
@@ -285,7 +334,9 @@ class CudaExecutor:
     def _launch_all(self, p: dict) -> None:
         drv, stream = self.ctx.drv, self.ctx.stream
         for kernel, g, params, cfg in p["launches"]:
-            if cfg is None:
+            if g is None:  # an NCCL call on the stream
+                params()
+            elif cfg is None:
                 err, = drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
                                           kernel.shared, stream, params, 0)
             else:
@@ -317,17 +368,31 @@ class CudaExecutor:
             ctx.replay(plain)  # keeps the GPU busy while the host queues the launches below
             ctx.record(events[0])
             for i, (kernel, g, params, _) in enumerate(p["launches"]):  # plainly: events sit between
-                drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1, kernel.shared,
-                                   ctx.stream, params, 0)
+                if g is None:
+                    params()
+                else:
+                    drv.cuLaunchKernel(kernel.function, g[0], g[1], g[2], 32 * kernel.num_warps, 1, 1,
+                                       kernel.shared, ctx.stream, params, 0)
                 ctx.record(events[i + 1])
             ctx.synchronize()
             whole.append(ctx.elapsed_ms(a, b) * 1000)
             per += [ctx.elapsed_ms(events[i], events[i + 1]) * 1000 for i in range(len(per))]
-        names = [f"{k.name}{list(g)}" for k, g, *_ in p["launches"]]
+        names = [f"{k.name}{list(g or ())}" for k, g, *_ in p["launches"]]
         return list(zip(names, (per / reps).tolist())), float(np.median(whole))
 
     def close(self) -> None:
+        if self.comm is not None:
+            self.ctx.synchronize()
+            self.comm.close()
+            self.comm = None
         self.ctx.close()
+
+
+class NcclLaunch:
+    """Stands where a plan's kernel would for an NCCL call (its name, for profiles)."""
+
+    def __init__(self, op: str) -> None:
+        self.name = f"nccl_{op}"
 
 
 def _resolved(metadata):

@@ -18,6 +18,12 @@ multiprocessing: the server's engine core is itself a daemonic multiprocessing c
 multiprocessing forbids to have children. What a worker builds is the caller's business:
 `make_worker(rank, comm)` is a picklable callable (kiln.loader's) returning an executor with
 execute / copy_state_slots / num_blocks / num_state_slots; the runtime only runs it.
+
+GPU ranks (nccl=True): no shared memory; rank 0 makes an NCCL unique id (which hosts the
+group's bootstrap root in rank 0's process) and sends it up the socket, the executor hands it
+to the other ranks, and every rank's make_worker gets an NcclBootstrap (runtime/worker/nccl.py)
+in place of the shared-memory communicator. The id is how torch.distributed and vLLM form an
+NCCL group too (rank 0's id, broadcast); here it rides the channel the workers already have.
 """
 from __future__ import annotations
 
@@ -58,9 +64,10 @@ def _kill(procs: list, group: ShmGroup | None) -> None:
 
 
 class MultiprocExecutor:
-    def __init__(self, make_worker: MakeWorker, world_size: int, *, start_timeout: float = 600.0) -> None:
+    def __init__(self, make_worker: MakeWorker, world_size: int, *, start_timeout: float = 600.0,
+                 nccl: bool = False) -> None:
         self.world_size = world_size
-        self.group = ShmGroup(world_size)
+        self.group = None if nccl else ShmGroup(world_size)
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._dead: str | None = None
@@ -78,10 +85,16 @@ class MultiprocExecutor:
             self.procs.append(p)
             conn = Connection(mine.detach())
             self.conns.append(conn)
-            conn.send(("init", make_worker, rank, self.group.handle))
+            conn.send(("init", make_worker, rank, world_size, self.group.handle if self.group else None, nccl))
+        if nccl:  # rank 0's NCCL id to the others
+            uid = self._gather(timeout=start_timeout, what="make an NCCL id", ranks=[0])[0]
+            for c in self.conns[1:]:
+                c.send(("nccl_id", uid))
         infos = self._gather(timeout=start_timeout, what="start")
-        self.num_blocks = infos[0]["num_blocks"]
+        # every rank holds at least this many blocks (a GPU rank sizes its cache from its free memory)
+        self.num_blocks = min(i["num_blocks"] for i in infos)
         self.num_state_slots = infos[0]["num_state_slots"]
+        self.buckets = infos[0].get("buckets", [])  # a GPU rank's plans' sizes (the engine reads the logits rows)
 
     @property
     def pids(self) -> list[int]:
@@ -121,11 +134,13 @@ class MultiprocExecutor:
                 self._fail(self._gone(rank))
         return self._gather(timeout=None, what=msg[0])
 
-    def _gather(self, timeout: float | None, what: str) -> list:
-        """One reply from every rank; the first death or error fails the executor."""
+    def _gather(self, timeout: float | None, what: str, ranks: list[int] | None = None) -> list:
+        """One reply from every rank (or from `ranks`); the first death or error fails the
+        executor, whichever rank it is."""
         replies: dict[int, Any] = {}
+        ranks = list(range(self.world_size)) if ranks is None else ranks
         index = {c: r for r, c in enumerate(self.conns)}
-        while len(replies) < self.world_size:
+        while len(replies) < len(ranks):
             ready = wait([c for r, c in enumerate(self.conns) if r not in replies], timeout)
             if not ready:
                 self._fail(f"the tensor-parallel workers did not {what} within {timeout:.0f} s")
@@ -140,8 +155,11 @@ class MultiprocExecutor:
                     if user_error is not None:  # a KilnError (a bad checkpoint, ...): its one sentence
                         self._fail(str(user_error), user_error)
                     self._fail(f"tensor-parallel worker {rank} failed:\n{tb}")
+                if rank not in ranks:  # a rank that spoke out of turn: only an error may
+                    self._fail(f"tensor-parallel worker {rank} sent {kind!r} while the executor waited "
+                               f"for rank {ranks} to {what}")
                 replies[rank] = payload
-        return [replies[r] for r in range(self.world_size)]
+        return [replies[r] for r in ranks]
 
     def _gone(self, rank: int) -> str:
         p = self.procs[rank]

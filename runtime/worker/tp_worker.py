@@ -1,8 +1,10 @@
 """A tensor-parallel worker process: `python -m kiln.runtime.worker.tp_worker FD`
 (runtime/worker/multiproc_executor.py starts it; FD is its end of a socket to the executor).
 
-It receives ("init", make_worker, rank, shm handle), attaches to the group's shared memory,
-builds its rank's executor with make_worker(rank, communicator), says ("ready", sizes), then
+It receives ("init", make_worker, rank, world size, shm handle, nccl), attaches to the group's
+shared memory (CPU ranks) or joins the NCCL bootstrap (GPU ranks: rank 0 makes the unique id
+and sends ("nccl_id", id) up, the others receive it from the executor), builds its rank's
+executor with make_worker(rank, communicator or NcclBootstrap), says ("ready", sizes), then
 serves ("execute", inputs) / ("copy", state-slot copies) / ("stop",) until told to stop or
 until its executor goes away (EOF: it exits, so no worker outlives its engine). Any failure is
 sent back as ("error", traceback) and the worker exits; the executor then fails the engine.
@@ -19,10 +21,23 @@ def serve(conn: Connection) -> int:
 
     comm = None
     try:
-        kind, make_worker, rank, handle = conn.recv()
-        comm = ShmCommunicator(handle, rank)
-        ex = make_worker(rank, comm)
-        conn.send(("ready", {"num_blocks": ex.num_blocks, "num_state_slots": ex.num_state_slots}))
+        kind, make_worker, rank, world_size, handle, nccl = conn.recv()
+        if nccl:
+            from kiln.runtime.worker.nccl import NcclBootstrap, NcclLibrary
+
+            if rank == 0:
+                uid = NcclLibrary().unique_id()
+                conn.send(("nccl_id", uid))
+            else:
+                kind, uid = conn.recv()
+            ex = make_worker(rank, NcclBootstrap(uid, world_size, rank))
+        else:
+            comm = ShmCommunicator(handle, rank)
+            ex = make_worker(rank, comm)
+        info = {"num_blocks": ex.num_blocks, "num_state_slots": ex.num_state_slots}
+        if hasattr(ex, "buckets"):  # a GPU executor's plans: the engine sizes logits rows by them
+            info["buckets"] = [{k: p[k] for k in ("tokens", "seqs", "logits", "decode")} for p in ex.buckets]
+        conn.send(("ready", info))
         while True:
             msg = conn.recv()
             if msg[0] == "execute":
