@@ -389,9 +389,11 @@ def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_siz
     if backend not in DISTRIBUTED_BACKENDS:
         raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                           f"got {backend!r}")
-    if target != "cpu":
-        raise ConfigError(f"tensor_parallel_size {tensor_parallel_size} on {target} is not built yet (the NCCL "
-                          "lowering is designed in docs/TENSOR_PARALLEL.md): run it with --target cpu")
+    if target != "cpu":  # one GPU per rank, NCCL between them
+        return _load_tensor_parallel_gpu(model, tensor_parallel_size, backend, target=target, block_size=block_size,
+                                         kv_cache_tokens=kv_cache_tokens, tokenizer=tokenizer,
+                                         max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
+                                         num_state_snapshots=num_state_snapshots, **_gpu_only)
     if backend == "ray":
         try:
             import ray  # noqa: F401
@@ -429,3 +431,79 @@ def _tensor_parallel_worker(path: str, size: int, rank: int, comm, *, target: st
                         tensor_parallel=(size, rank))
     weights = ShardedWeights(source.weights, graph.attrs["tp_slices"])
     return CpuExecutor(graph, weights.get, num_blocks=num_blocks, num_state_slots=num_state_slots, comm=comm)
+
+
+def gpu_count() -> int:
+    """The GPUs this process can see (CUDA_VISIBLE_DEVICES applies); the driver is initialised."""
+    from cuda.bindings import driver
+
+    err, n = driver.cuDeviceGetCount()
+    return int(n) if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def _load_tensor_parallel_gpu(model, size: int, backend: str, *, target: str, block_size: int,
+                              kv_cache_tokens: int | None, tokenizer: bool, max_num_seqs: int, kv_cache_dtype: str,
+                              num_state_snapshots: int, max_model_len: int | None = None,
+                              max_num_batched_tokens: int = 2048, bundle_dir: str | Path | None = None,
+                              **_ignored: Any) -> LoadedModel:
+    """Tensor parallel on GPUs: rank r's worker process drives GPU r, compiles its rank's graph
+    (rank r's bundle: its plan is rank 0's, with its own biases and vocabulary range) and joins
+    the NCCL group; the plans' collectives are NCCL calls on each rank's step stream
+    (docs/TENSOR_PARALLEL.md). Refused in one sentence: no libnccl, fewer GPUs than ranks, Ray."""
+    from kiln.runtime.worker.nccl import NcclError, NcclLibrary
+
+    if backend == "ray":
+        raise ConfigError(f"--distributed-executor-backend ray on {target} is not built yet: "
+                          "use mp (one process per GPU on this host)")
+    try:
+        NcclLibrary()  # found and loadable, before any process starts
+    except NcclError as e:
+        raise ConfigError(str(e)) from None
+    check_gpu_runtime(target)
+    have = gpu_count()
+    if size > have:
+        raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, and {have} "
+                          f"{'is' if have == 1 else 'are'} visible here")
+    if bundle_dir is not None:
+        log.warning("--bundle is not used with tensor_parallel_size %d: each rank compiles its own bundle "
+                    "into the bundle cache", size)
+    _kv_cache_dtype(kv_cache_dtype)
+    source = open_source(model)
+    cfg = source.config
+    graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                        tensor_parallel=(size, 0))
+    make = functools.partial(_tensor_parallel_gpu_worker, str(source.path), size, target=target,
+                             block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_cache_tokens=kv_cache_tokens,
+                             max_model_len=context_length(cfg, max_model_len), max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             num_state_slots=max_num_seqs + num_state_snapshots + 1)
+    from kiln.runtime.worker.multiproc_executor import MultiprocExecutor
+
+    executor = MultiprocExecutor(make, size, nccl=True)
+    return LoadedModel(source, graph, executor, load_tokenizer(source) if tokenizer else None, block_size)
+
+
+def _tensor_parallel_gpu_worker(path: str, size: int, rank: int, boot, *, target: str, block_size: int,
+                                kv_cache_dtype: str, kv_cache_tokens: int | None, max_model_len: int,
+                                max_num_seqs: int, max_num_batched_tokens: int, num_state_slots: int):
+    """In a worker process: rank `rank` on GPU `rank`, its graph compiled, its weight slices
+    uploaded, its communicator made from `boot` (an NcclBootstrap) once its context is current."""
+    import numpy as np
+
+    from kiln.models.tp_weights import ShardedWeights
+    from kiln.runtime.worker.cuda_driver import CudaContext
+    from kiln.runtime.worker.cuda_executor import CudaExecutor
+
+    source = open_model(path)
+    graph = build_graph(source.config, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                        tensor_parallel=(size, rank))
+    ctx = CudaContext(device=rank)
+    bundle = compile_model(source, graph, target=target, block_size=block_size, max_model_len=max_model_len,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    weights = ShardedWeights(source.weights, graph.attrs["tp_slices"])
+    # the masked lookup reads this rank's first vocabulary id from the device (codegen/lower.py)
+    starts = [n.attrs["vocab_start"] for n in graph.nodes.values() if n.op == "vocab_parallel_embedding"]
+    return CudaExecutor(bundle, lambda name: weights.get(name, keep_dtype=True), ctx=ctx, nccl=boot,
+                        num_blocks=None if kv_cache_tokens is None else -(-kv_cache_tokens // block_size),
+                        num_state_slots=num_state_slots,
+                        region_values={"tp_vocab_start": np.array(starts[:1], np.int32)} if starts else None)

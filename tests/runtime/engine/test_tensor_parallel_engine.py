@@ -186,12 +186,23 @@ def test_a_killed_worker_raises_from_the_step_naming_it(tiny_dir):
     (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="slurm"), "must be mp or ray, got 'slurm'"),
-    (dict(tensor_parallel_size=2, target="sm_90"), "tensor_parallel_size 2 on sm_90 is not built yet"),
+    (dict(tensor_parallel_size=2, target="sm_90", distributed_executor_backend="ray"),
+     "--distributed-executor-backend ray on sm_90 is not built yet: use mp"),
 ])
 def test_bad_input_is_one_sentence(tiny_dir, kw, words):
     with pytest.raises(ConfigError) as e:
         LLM(tiny_dir, skip_tokenizer_init=True, **kw)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gpu_tensor_parallel_without_nccl_is_one_sentence(tiny_dir, monkeypatch, tmp_path):
+    """No libnccl to load (docs/TENSOR_PARALLEL.md): refused before any worker starts, whatever
+    this machine has installed: the library is looked for where KILN_NCCL_LIBRARY points."""
+    missing = tmp_path / "libnccl.so.2"
+    monkeypatch.setenv("KILN_NCCL_LIBRARY", str(missing))
+    with pytest.raises(ConfigError) as e:
+        LLM(tiny_dir, skip_tokenizer_init=True, tensor_parallel_size=2, target="sm_90")
+    assert str(e.value) == f"KILN_NCCL_LIBRARY={missing} is not a file: point it at libnccl.so.2"
 
 
 def test_ray_requested_but_not_installed_is_one_sentence(tiny_dir, monkeypatch):
