@@ -119,3 +119,25 @@ def test_rank_zeros_nccl_id_reaches_every_worker_over_the_executor_channel(tmp_p
         assert ex.num_blocks == 10  # the smallest rank's cache: every rank holds that many blocks
     finally:
         ex.shutdown()
+
+
+def test_two_rank_reference_is_the_correctly_rounded_bf16_sum_in_either_order():
+    """Why an N = 2 ncclAllReduce has the reference's bits (docs/TENSOR_PARALLEL.md): NCCL adds
+    the two bf16 addends once, correctly rounded (__hadd; NVLS: f32 then one rounding), and the
+    reference's f32 sum rounded once is that same correctly rounded sum, in either order. The
+    exact sum (f64 holds any two bf16 summed) rounded once is the oracle."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from kiln.graph.collective_ops import all_reduce_reference
+
+    rng = np.random.default_rng(7)
+    n = 1 << 20
+    a, b = ((rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(ml_dtypes.bfloat16)
+            for _ in range(2))
+    exact = (a.astype(np.float64) + b.astype(np.float64)).astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert np.array_equal(all_reduce_reference([a, b]).view(np.uint16), exact)
+    assert np.array_equal(all_reduce_reference([b, a]).view(np.uint16), exact)
+    # three addends: the order shows (which is why N > 2 does not use NCCL's reduction)
+    c = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(ml_dtypes.bfloat16)
+    bf = ml_dtypes.bfloat16
+    hop = lambda x, y: (x.astype(np.float32) + y.astype(np.float32)).astype(bf)  # a ring hop rounds to bf16
+    assert not np.array_equal(hop(hop(a, b), c).view(np.uint16), hop(hop(c, a), b).view(np.uint16))
