@@ -204,3 +204,16 @@ def test_two_rank_nccl_all_reduce_is_the_rank_order_reference_bit_for_bit_at_eve
         for g in got:
             assert np.array_equal(g[f"eager{n}"], want), n
             assert np.array_equal(g[f"graph{n}"], want), n
+
+
+@pytest.mark.skipif(_visible_gpus() != 1, reason="needs exactly one visible GPU")
+def test_more_ranks_than_gpus_is_one_sentence(lib, tmp_path, gpu_target):
+    torch = pytest.importorskip("torch")
+    from kiln import LLM
+    from kiln.errors import ConfigError
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path, "llama_gqa_untied", dtype=torch.bfloat16)
+    with pytest.raises(ConfigError) as e:
+        LLM(tmp_path, target=gpu_target, skip_tokenizer_init=True, tensor_parallel_size=2)
+    assert str(e.value) == "tensor_parallel_size 2 needs 2 GPUs, and 1 is visible here"
