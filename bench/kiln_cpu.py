@@ -55,13 +55,14 @@ def main() -> None:
     pre = statistics.median(r[0] for r in runs)
     dec = statistics.median(r[1] for r in runs)
     executor = type(lm.executor).__name__
-    print(f"kiln cpu ({executor}): prefill {pre:.1f} tok/s ({a.prompt_tokens} tokens), decode {dec:.2f} tok/s "
+    act_quant = getattr(lm.executor, "act_quant", "") or "none"  # KILN_CPU_ACT_QUANT
+    print(f"kiln cpu ({executor}, activations {act_quant}): prefill {pre:.1f} tok/s ({a.prompt_tokens} tokens), decode {dec:.2f} tok/s "
           f"({a.gen_tokens} tokens); load average {load_avg:.2f} before the runs")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"engine": "kiln", "target": "cpu", "prompt_tokens": a.prompt_tokens,
                        "gen_tokens": a.gen_tokens, "prefill_tok_s": pre, "decode_tok_s": dec,
-                       "executor": executor, "load_average_1m": load_avg,
+                       "executor": executor, "act_quant": act_quant, "load_average_1m": load_avg,
                        "model": model}, f, indent=1)
 
 

@@ -47,16 +47,34 @@ def run_sized(work: int, fn, *args) -> None:
         numba.set_num_threads(n)
 
 
-class Scratch:
-    """One K-major f32 buffer that every layer's dequantised weight borrows in turn."""
+ACT_QUANTS = ("", "q8_1")
 
-    def __init__(self) -> None:
+
+class Scratch:
+    """One K-major f32 buffer that every layer's dequantised weight borrows in turn, the
+    activation codes of `act_quant` "q8_1" (see quantize_act), and which activation quantisation
+    the plan's Q4 linears use ("" none: f32 activations)."""
+
+    def __init__(self, act_quant: str = "") -> None:
+        if act_quant not in ACT_QUANTS:
+            raise ValueError(f"activation quantisation {act_quant!r} is not one of {ACT_QUANTS}")
+        self.act_quant = act_quant
         self.buf = np.empty(0, np.float32)
+        self.xq = np.empty((0, 0), np.int16)
+        self.ds = np.empty((0, 0), np.float32)
+        self.xf = np.empty(0, np.float32)
 
     def get(self, k: int, n: int) -> np.ndarray:
         if self.buf.size < k * n:
             self.buf = np.empty(k * n, np.float32)
         return self.buf[:k * n].reshape(k, n)
+
+    def act(self, T: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> xq i16 [T, k], dx, sx f32 [T, k/32] (views of buffers kept for the next layer)"""
+        if self.xq.shape[0] < T or self.xq.shape[1] < k:
+            self.xq = np.empty((max(T, self.xq.shape[0]), max(k, self.xq.shape[1])), np.int16)
+            self.ds = np.empty((2, self.xq.shape[0], self.xq.shape[1] // 32), np.float32)
+        return self.xq[:T, :k], self.ds[0, :T, :k // 32], self.ds[1, :T, :k // 32]
 
 
 def gemv(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int) -> None:
@@ -90,12 +108,57 @@ def dequant_rows(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
         K.dequant_f32_rows(w.q, rows, out)
 
 
+def quantize_q8_1_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy reference of linear_kernels.quantize_q8_1 (same f32 operations, so the same bits):
+    x f32 [T, K] -> codes i16 [T, K], d, s f32 [T, K/32]"""
+    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int16)
+    s = d * q.sum(-1).astype(np.float32)
+    return q.reshape(x.shape), d.astype(np.float32), s.astype(np.float32)
+
+
+def linear_q8_1_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The semantics of a linear under KILN_CPU_ACT_QUANT=q8_1: x rounded to q8_1 blocks
+    (quantize_q8_1_reference), times the weight's values w [N, K] (exactly as dequantised), summed in
+    float64 -> f32 [T, N]. The kernels compute the same sums as integer products per 32-block
+    scaled in f32 (GEMV) or an sgemm of the rounded activations (BLAS path): within f32 rounding
+    of this (tests/runtime/cpu/test_packed_weights.py)."""
+    q, d, _ = quantize_q8_1_reference(x)
+    xr = (q.reshape(len(x), -1, 32) * d[..., None].astype(np.float64)).reshape(x.shape)
+    return (xr @ np.asarray(w, np.float64).T).astype(np.float32)
+
+
+def quantize_act(x: np.ndarray, T: int, scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    xq, dx, sx = scratch.act(T, x.shape[1])
+    K.quantize_q8_1(x, T, xq, dx, sx)
+    return xq, dx, sx
+
+
 def linear(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int, scratch: Scratch) -> None:
-    """y[:T, :w.n] = x[:T] @ W.T; x: f32 [>= T, K] C-contiguous, y: f32 [>= T, w.n] C-contiguous"""
+    """y[:T, :w.n] = x[:T] @ W.T; x: f32 [>= T, K] C-contiguous, y: f32 [>= T, w.n] C-contiguous.
+    With scratch.act_quant "q8_1" a Q4 weight (Q4_0, Q4_1, Q4_K) multiplies x rounded to q8_1
+    blocks, as llama.cpp's CPU backend does (linear_q8_1_reference defines it): integer dot
+    products on the GEMV path (gemv_q4_q8), the rounded activations through BLAS above the switch,
+    so a token's values do not depend on which path its step took beyond f32 rounding."""
+    q8 = scratch.act_quant == "q8_1" and w.kind == "q4"
     if T < GEMM_MIN_TOKENS:
-        gemv(w, x, y, T)
+        if q8:
+            xq, dx, sx = quantize_act(x, T, scratch)
+            run_sized(w.n * w.k * T, K.gemv_q4_q8, xq, dx, sx, w.q, w.d, w.m, y, T)
+        else:
+            gemv(w, x, y, T)
         return
     n_pad = w.q.shape[0] * w.q.shape[-1]
     wt = scratch.get(w.k, n_pad)
     dequant_t(w, wt)
+    if q8:
+        xq, dx, _ = quantize_act(x, T, scratch)
+        if scratch.xf.size < T * w.k:
+            scratch.xf = np.empty(T * w.k, np.float32)
+        xr = scratch.xf[:T * w.k].reshape(T, -1, 32)
+        np.multiply(xq.reshape(T, -1, 32), dx[..., None], out=xr)
+        x = xr.reshape(T, w.k)
     np.matmul(x[:T], wt[:, :w.n], out=y[:T])

@@ -72,15 +72,18 @@ class Step:
     extra: dict = field(default_factory=dict)
 
 
-def _linear_kernels(w: PackedWeight) -> tuple:
+def _linear_kernels(w: PackedWeight, act_quant: str = "") -> tuple:
+    if w.kind == "q4" and act_quant == "q8_1":
+        return LK.gemv_q4_q8, LK.quantize_q8_1, LK.dequant_q4_t
     return {"q4": (LK.gemv_q4, LK.dequant_q4_t), "q8": (LK.gemv_q8, LK.dequant_q8_t),
             "f32": (LK.gemv_f32, LK.dequant_f32_t)}[w.kind]
 
 
 class Plan:
-    def __init__(self, graph: Graph, weights: dict[str, Any], states: dict[str, np.ndarray]) -> None:
+    def __init__(self, graph: Graph, weights: dict[str, Any], states: dict[str, np.ndarray],
+                 act_quant: str = "") -> None:
         self.graph, self.weights, self.states = graph, weights, states
-        self.scratch = Scratch()
+        self.scratch = Scratch(act_quant)  # act_quant: linear.linear's activation rounding
         self.order = graph.topo_order()
         self.alias: dict[str, tuple[str, Callable]] = {}  # view -> (its base tensor, base view -> view)
         self.rows: dict[str, str] = {}  # activation -> its leading dim symbol
@@ -233,7 +236,7 @@ class Plan:
                     OK.add_rows(yv, bv, T)
                 post(ctx, T)
             return fn
-        kernels = _linear_kernels(w) + ((OK.add_rows,) if bias else ()) + extra_kernels
+        kernels = _linear_kernels(w, self.scratch.act_quant) + ((OK.add_rows,) if bias else ()) + extra_kernels
         return Step(node.name, kernels, make, extra)
 
     def _op_linear(self, node, attrs, ins, outs) -> Step:

@@ -46,6 +46,15 @@ def cpu_threads() -> int | None:
     return min(n, numba.config.NUMBA_NUM_THREADS)
 
 
+def cpu_act_quant() -> str:
+    """KILN_CPU_ACT_QUANT: "q8_1" rounds the activations of Q4 linears to q8_1 blocks as llama.cpp
+    does (runtime/cpu/linear.py), unset or "none" keeps them f32 (the numpy target's semantics)."""
+    v = os.environ.get("KILN_CPU_ACT_QUANT", "none")
+    if v not in ("none", "q8_1"):
+        raise ConfigError(f"KILN_CPU_ACT_QUANT={v!r} is not 'none' or 'q8_1'")
+    return "" if v == "none" else v
+
+
 class ThreadChooser:
     """How many threads decode steps use when KILN_CPU_THREADS does not say: all cores, unless one
     thread has been faster lately. On the 2-core machine with other work on it, every parallel
@@ -99,7 +108,8 @@ class CompiledCpuExecutor:
                                     else CpuExecutor._load(t, load_weight))
         dims = {"NB": num_blocks}
         self.states = {t.name: committed_zeros(t.concrete_shape(dims), np.float32) for t in graph.states}
-        self.plan = Plan(graph, self.weights, self.states)
+        self.act_quant = cpu_act_quant()
+        self.plan = Plan(graph, self.weights, self.states, self.act_quant)
         self._vocab = {n.inputs[0]: graph.tensors[n.inputs[1]].shape[0]
                        for n in graph.nodes.values() if n.op == "embedding"}
         self._max_pos = min([int(n.attrs.get("max_position", 2048)) for n in graph.nodes.values()

@@ -68,6 +68,20 @@ def test_smollm2_matches_numpy(smollm2):
     agree(smollm2, 1e-4)
 
 
+def test_smollm2_with_q8_1_activations(monkeypatch, smollm2_gguf):
+    """KILN_CPU_ACT_QUANT=q8_1 (llama.cpp's rounding of Q4 linears' activations; its kernels
+    against their reference: test_packed_weights.py) moves SmolLM2's logits by a few percent of
+    their range from the f32 reference (3.3e-2 on the prefill in tests/test_smollm2.py) and keeps
+    its argmax on these steps; an unknown value is refused."""
+    monkeypatch.setenv("KILN_CPU_ACT_QUANT", "q8_1")
+    lm = load(smollm2_gguf, kv_cache_tokens=256, tokenizer=False)
+    assert lm.executor.act_quant == "q8_1"
+    agree(lm, 0.1)
+    monkeypatch.setenv("KILN_CPU_ACT_QUANT", "q4")
+    with pytest.raises(ConfigError, match="KILN_CPU_ACT_QUANT"):
+        load(smollm2_gguf, kv_cache_tokens=256, tokenizer=False)
+
+
 def test_backend_switch_and_fallback(monkeypatch, tmp_path, caplog):
     make_tiny_model(tmp_path, "llama_gqa_untied")
     monkeypatch.setenv("KILN_CPU_BACKEND", "numpy")

@@ -89,3 +89,52 @@ def test_gemv_rows_do_not_depend_on_the_batch(qtype):
         alone = np.empty((1, n), np.float32)
         L.gemv(w, np.ascontiguousarray(x[t:t + 1]), alone, 1)
         assert np.array_equal(alone[0], batched[t])
+
+
+def test_q8_1_activation_codes_equal_the_reference():
+    """The activation rounding of KILN_CPU_ACT_QUANT=q8_1 gives the numpy reference's codes and
+    scales bit for bit (same f32 operations), zero blocks included, and |codes| <= 127."""
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((5, 256)) * rng.choice([1e-3, 1.0, 30.0], (5, 1))).astype(np.float32)
+    x[2, 32:64] = 0
+    x[3, 5] = -x[3, :32].__abs__().max() * 2  # the block's amax is negative
+    xq, dx, sx = L.quantize_act(x, len(x), L.Scratch("q8_1"))
+    q, d, s = L.quantize_q8_1_reference(x)
+    assert np.array_equal(xq, q) and np.abs(q).max() == 127
+    assert np.array_equal(dx.view(np.uint32), d.view(np.uint32))
+    assert np.array_equal(sx.view(np.uint32), s.view(np.uint32))
+    assert (dx[2, 1] == 0) and (xq[2, 32:64] == 0).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_linear_with_q8_1_activations_matches_its_reference(qtype):
+    """Q4 weights under activation rounding: the integer GEMV (T below the switch) and the BLAS
+    path (T at or above it) both give linear_q8_1_reference within f32 rounding, and the rounding
+    is really there (the f32-activation result differs by far more)."""
+    rng = np.random.default_rng(30 + len(qtype))
+    n, k = R + 24, 512
+    raw = random_blocks(rng, qtype, n, k)
+    ref_w = oracles(raw, qtype, n, k)[0]
+    w = pack_gguf(qtype, raw, k)
+    scratch = L.Scratch("q8_1")
+    for T in (1, 3, L.GEMM_MIN_TOKENS - 1, L.GEMM_MIN_TOKENS, 40):
+        x = rng.standard_normal((T, k)).astype(np.float32)
+        y = np.full((T, n), np.nan, np.float32)
+        L.linear(w, x, y, T, scratch)
+        ref = L.linear_q8_1_reference(x, ref_w)
+        err = np.abs(y - ref).max() / np.abs(ref).max()
+        assert err < 2e-6, (qtype, T, err)
+        assert np.abs(linear_ref(x, ref_w) - ref).max() / np.abs(ref).max() > 1e-4
+
+
+def test_q8_1_gemv_rows_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(4)
+    n, k = R, 128
+    w = pack_gguf("Q4_1", random_blocks(rng, "Q4_1", n, k), k)
+    x = rng.standard_normal((L.GEMM_MIN_TOKENS - 1, k)).astype(np.float32)
+    batched = np.empty((len(x), n), np.float32)
+    L.linear(w, x, batched, len(x), L.Scratch("q8_1"))
+    for t in (0, 4, len(x) - 1):
+        alone = np.empty((1, n), np.float32)
+        L.linear(w, np.ascontiguousarray(x[t:t + 1]), alone, 1, L.Scratch("q8_1"))
+        assert np.array_equal(alone[0], batched[t])
