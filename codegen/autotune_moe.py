@@ -18,7 +18,8 @@ experts from L2.
 
 The search, per (shape, T): round 1 sweeps the gate_up tile for each (path, block_m) under the
 default down tile; round 2 sweeps the down tile under round 1's winner; round 3 times kiln's
-default config against each (path, block_m)'s winner and keeps the fastest. Every round reads
+default config against each (path, block_m)'s winner and keeps the fastest (the decode path's
+two forms, "decode" and "decode_token", are two groups: moe.py). Every round reads
 the layer's output back: rounds 1 and 2 refuse a candidate whose bits differ from its
 (path, block_m)'s first one, round 3 one whose bits differ from the default config's. So a
 written schedule gives every token the default's bits, whatever its path and tiles: none of
@@ -79,11 +80,17 @@ def moe_problems(graph: Graph, buckets: list[Bucket]) -> list[MoeProblem]:
 
 
 def paths(t: int, top_k: int) -> list[str]:
-    """The default path, and the other one where T*k is near the threshold between them."""
+    """The default path, and the others worth timing: both decode forms wherever the default is a
+    decode one (moe.py: "decode", a program per assignment and column block, then the rank sum;
+    "decode_token", a program per token and column block summing its k experts itself), and the
+    grouped or decode forms where T*k is near the threshold between them."""
     n, cut = t * top_k, k_moe.DECODE_MAX_ASSIGNMENTS
     near = cut // NEAR <= n <= cut * NEAR
     default = k_moe.moe_path(t, top_k)
-    return [default] + ([p for p in ("decode", "grouped") if p != default] if near else [])
+    decode = list(k_moe.DECODE_PATHS)
+    if default in decode:
+        return decode + (["grouped"] if near else [])
+    return [default] + (decode if near else [])
 
 
 def block_ms(t: int, top_k: int, e: int) -> list[int]:
@@ -97,10 +104,12 @@ def block_ms(t: int, top_k: int, e: int) -> list[int]:
 def tiles(path: str, block_m: int) -> list[MoeTile]:
     """One GEMM's tile candidates (gate_up's and down's grids are the same). Decode: one live row
     in a 16-row tile streaming an expert's rows, so narrow N and deep K in flight, as the GEMM's
-    decode tiles; grouped: the GEMM's tiles of up to 128 rows."""
-    if path == "decode":
-        return [MoeTile(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (2, 4)
-                for s in (3, 4, 5)]
+    decode tiles (up to a whole K = 512 step: the down weight of Qwen3.6-35B-A3B's experts in
+    one load); grouped: the GEMM's tiles of up to 128 rows. A tile whose stages need more shared
+    memory than a block has is compiled and left out (Bench.compile)."""
+    if path in k_moe.DECODE_PATHS:
+        return [MoeTile(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (64, 128, 256, 512) for w in (2, 4)
+                for s in (2, 3, 4, 5, 6) if s * bk * bn <= 32 * 1024]
     return [MoeTile(block_m, bn, bk, w, s) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)
             for s in (2, 3, 4)]
 
@@ -131,7 +140,7 @@ class _MoeRig:
         self.n_rows = {t: bench.buffer((1,), np.int32, [t]) for t in p.ts}
         need: dict[str, int] = {}
         for t in p.ts:
-            for path, bm in [("decode", 16)] + [("grouped", bm) for bm in block_ms_]:
+            for path, bm in [(d, 16) for d in k_moe.DECODE_PATHS] + [("grouped", bm) for bm in block_ms_]:
                 for name, (shape, d) in k_moe.moe_workspace(t, k, p.e, p.h, p.i, p.dtype, path=path,
                                                             block_m=bm).items():
                     need[name] = max(need.get(name, 0), int(np.prod(shape)) * np.dtype(d).itemsize)
@@ -179,7 +188,8 @@ class MoeTuner:
 
         # groups: (shape, T, path, block_m), each starting from the default's tiles at that path and block_m
         start = {(p.key, t, path, bm): replace(default(p, t, path), block_m=bm) for p in problems for t in p.ts
-                 for path in paths(t, p.top_k) for bm in ([16] if path == "decode" else block_ms(t, p.top_k, p.e))}
+                 for path in paths(t, p.top_k)
+                 for bm in ([16] if path in k_moe.DECODE_PATHS else block_ms(t, p.top_k, p.e))}
         t_of = lambda g: g[1]  # noqa: E731
         self.progress(f"moe: {len(start)} (shape, T, path, block_m) groups over T = "
                       f"{', '.join(str(t) for t in sorted({g[1] for g in start}))}")

@@ -4,17 +4,23 @@ wrappers that check and launch them (the kernels: moe_router.py, moe_align.py, m
     router:  moe_router(logits)                            -> topk_ids, topk_weights
     experts: moe_experts(x, topk_ids, topk_weights, w13, w2) -> y [T, H]
 
-Two paths for the experts, chosen per bucket by moe_path (a schedule choice, not a numerics one;
+Paths for the experts, chosen per bucket by moe_path (a schedule choice, not a numerics one;
 a bucket's schedules entry may take the other, and its own tiles: moe_config.py, Configs.moe):
 - "decode" (T * k <= DECODE_MAX_ASSIGNMENTS): no sorting. moe_gate_up_kernel runs a program per
-  (assignment, column block) reading only its expert's w13 rows, and moe_down_kernel a program
-  per (token, column block) reading its k experts' w2 rows and summing them in rank order:
-  2 launches, the weights of the chosen experts streamed once per assignment (at batch 1, the
-  k experts' weights, nothing else).
+  (assignment, column block) reading only its expert's w13 rows, moe_down_kernel (SPLIT) a
+  program per (assignment, column block) reading its expert's w2 rows and storing the expert's
+  output row o, and moe_sum_kernel weights and adds each token's k rows in rank order: 3
+  launches, the weights of the chosen experts streamed once per assignment (at batch 1, the k
+  experts' weights, nothing else), by T * k * (N / BLOCK_N) programs in each GEMM, so that one
+  token's 8 experts fill the SMs (issue 37: a program per (token, column block) walking the k
+  experts one after another was latency-bound, 0.9 TB/s on the H200 at batch 1).
+- "decode_token": the earlier decode form, kept as a schedule choice: moe_down_kernel a program
+  per (token, column block) that reads its k experts' w2 rows and sums them in rank order
+  itself: 2 launches, but only H / BLOCK_N programs a token.
 - "grouped": moe_align sorts the assignments by expert into BLOCK_M-row blocks, then the grouped
   gate_up and down GEMMs read each chosen expert's weights once per column block for all its
   rows, and moe_sum weights and adds each token's k rows in rank order: 4 launches.
-Both give a token the same bits (moe_gemm.py: one K order per weight, the same epilogues, the
+All give a token the same bits (moe_gemm.py: one K order per weight, the same epilogues, the
 same rank-order sum of the same rounded products), so the path a bucket takes, and its tiles,
 never change a token's output: a token alone in a decode bucket and the same token among 4,000
 in a prefill bucket get identical rows. The threshold is only about speed: past a few dozen
@@ -38,17 +44,26 @@ from kiln.graph.gguf_blocks import BLOCKS, row_bytes
 DECODE_MAX_ASSIGNMENTS = 64  # T * k up to which a bucket takes the decode path (a speed knob)
 
 
+DECODE_PATHS = ("decode", "decode_token")
+
+
 def moe_path(t: int, top_k: int) -> str:
     return "decode" if t * top_k <= DECODE_MAX_ASSIGNMENTS else "grouped"
 
 
 def moe_tiles(t: int, top_k: int, e: int, h: int, i: int, arch: str = "sm_90", path: str | None = None):
     """(gate_up tile, down tile) for a bucket: defaults until `build.py tune` sweeps them. Decode:
-    narrow column blocks so that even one token's few experts spread over the SMs (gate_up: I / 32
-    blocks per assignment; down: H / 16 per token). Grouped: BLOCK_M near the mean rows per
+    16-wide column blocks, so that even one token's few experts spread over the SMs (at the
+    Qwen3.6-35B-A3B shape, batch 1: 256 gate_up and 1,024 down programs of 2 warps), and stages
+    enough to keep each program's whole K in flight, as the dense GEMM's tuned decode tiles
+    (schedules/sm_90/gemm.yaml: 16-wide, 2 warps, 5-8 stages). decode_token: I / 32 gate_up
+    blocks per assignment, H / 16 down blocks per token. Grouped: BLOCK_M near the mean rows per
     expert (16 while experts get a block or less, else 32, 64), 64-wide columns."""
     path = path or moe_path(t, top_k)
     if path == "decode":
+        return (MoeTile(block_m=16, block_n=16, block_k=128, num_warps=2, num_stages=5),
+                MoeTile(block_m=16, block_n=16, block_k=128, num_warps=2, num_stages=4))
+    if path == "decode_token":
         return (MoeTile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
                 MoeTile(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=4))
     rows = t * top_k / e
@@ -77,6 +92,10 @@ def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "
         gu, dn = gguf_tiles((gu, dn), h, i)
     if path == "decode":
         return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, split=True),
+                moe_sum_spec(t, top_k, h, dtype)]
+    if path == "decode_token":
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13),
                 moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2)]
     check(path == "grouped", f"moe: unknown path {path!r}")
     check(gu.block_m == dn.block_m, "moe: gate_up and down share the align step's BLOCK_M")
@@ -90,6 +109,8 @@ def moe_workspace(t: int, top_k: int, e: int, h: int, i: int, dtype: str, *, pat
                   block_m: int) -> dict[str, tuple[tuple[int, ...], str]]:
     """The device scratch a path needs: name -> (shape, dtype name)."""
     ws = {"a": ((t * top_k, i), dtype)}
+    if path == "decode":
+        ws["o"] = ((t * top_k, h), dtype)
     if path == "grouped":
         em = moe_align_capacity(t, top_k, e, block_m)
         ws |= {"sorted_ids": ((em,), "int32"), "block_expert": ((em // block_m,), "int32"),
@@ -132,15 +153,18 @@ def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None):
 
 def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | None = None,
                 tiles: tuple[MoeTile, MoeTile] | None = None, n_rows=None, workspace: dict | None = None,
-                arch: str = "sm_90", qtypes: tuple[str, str] | None = None):
+                arch: str = "sm_90", qtypes: tuple[str, str] | None = None, defer_sum: bool = False):
     """x: [T, H] (rows may be strided), topk_ids i32[T, k], topk_weights f32[T, k], w13 [E, 2I, H],
     w2 [E, H, I] -> y [T, H] in x's dtype (the graph op moe_experts). n_rows: i32[1] live tokens
     (default T; rows past it are not written). workspace: moe_workspace's buffers by name
     (allocated here for host arrays). qtypes: (w13's, w2's) GGUF block formats, w13 and w2 then
-    u8 rows of blocks [E, 2I, RB], [E, H, RB'] (moe_experts_gguf)."""
+    u8 rows of blocks [E, 2I, RB], [E, H, RB'] (moe_experts_gguf). defer_sum (the "decode" and
+    "grouped" paths): the expert rows are left in workspace["o"] and the rank-order sum is not
+    launched (out is not written): moe_sum does it later, with the shared expert's add."""
     x, topk_ids, topk_weights, w13, w2, out, n_rows = map(as_buf, (x, topk_ids, topk_weights, w13, w2, out, n_rows))
     t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes)
     path = path or moe_path(t, k)
+    check(not (defer_sum and path == "decode_token"), "moe: the decode_token path sums in its down GEMM")
     gu, dn = tiles or moe_tiles(t, k, e, h, i, arch, path)
     dt = dtype_name(x)
     out = out if out is not None else as_buf(np.empty((t, h), x.dtype))
@@ -156,18 +180,50 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
         check(shape_of(ws[name]) == shape and dtype_name(ws[name]) == d, f"moe: workspace[{name!r}] must be "
               f"{d}{list(shape)}")
     specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch, qtypes=qtypes)
-    if path == "decode":
-        gate_up, down = specs
+    if path in DECODE_PATHS:
+        gate_up, down = specs[:2]
         meta = [topk_ids, topk_ids, topk_ids, n_rows, n_rows, 0, t * k]  # no sorted rows: placeholders
         launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
-        launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0]])  # (o: unused)
+        if path == "decode_token":
+            launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0]])  # (o: unused)
+            return _unwrap(out)
+        launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0]])  # (y: unused)
+        if not defer_sum:
+            moe_sum(ws["o"], topk_weights, out, n_rows=n_rows)
         return _unwrap(out)
-    align, gate_up, down, msum = specs
+    align, gate_up, down, _ = specs
     moe_align(topk_ids, num_experts=e, block_m=gu.block_m, n_rows=n_rows, sorted_ids=ws["sorted_ids"],
               block_expert=ws["block_expert"], n_post=ws["n_post"])
     em = shape_of(ws["sorted_ids"])[0]
     meta = [topk_ids, ws["sorted_ids"], ws["block_expert"], ws["n_post"], n_rows, em, t * k]
     launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
     launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0]])
-    launch(msum, [ws["o"], topk_weights, out, n_rows, strides_of(out)[0]])
+    if not defer_sum:
+        moe_sum(ws["o"], topk_weights, out, n_rows=n_rows)
+    return _unwrap(out)
+
+
+def moe_sum(o, topk_weights, out, *, n_rows=None, shared=None):
+    """o: [T*k, H] packed (each token's k expert rows, in rank order), topk_weights f32[T, k] ->
+    out [T, H] = sum_j w[t, j] * o[t*k + j] in rank order, rounded (moe_sum_kernel). shared:
+    (x [T, H] packed, gate [T, 1]): out = that sum + x * sigmoid(gate) instead, the graph's
+    sigmoid_mul and add on the shared expert's output (models/moe.py), in this one launch."""
+    o, topk_weights, out, n_rows = map(as_buf, (o, topk_weights, out, n_rows))
+    t, h = shape_of(out)
+    k = shape_of(topk_weights)[1]
+    dt = dtype_name(out)
+    check(shape_of(o) == (t * k, h) and tuple(strides_of(o)) == (h, 1) and dtype_name(o) == dt,
+          f"moe_sum: o must be packed {dt}[{t * k}, {h}]")
+    check(shape_of(topk_weights) == (t, k) and dtype_name(topk_weights) == "float32"
+          and tuple(strides_of(topk_weights)) == (k, 1), "moe_sum: weights packed f32[T, k]")
+    check_inner_contiguous(out, "moe_sum out")
+    n_rows = n_rows if n_rows is not None else as_buf(np.array([t], np.int32))
+    x, gate = (as_buf(b) for b in shared) if shared is not None else (o, o)
+    if shared is not None:
+        check(shape_of(x) == (t, h) and tuple(strides_of(x)) == (h, 1) and dtype_name(x) == dt,
+              f"moe_sum: the shared expert's x must be packed {dt}[{t}, {h}]")
+        check(shape_of(gate) == (t, 1), f"moe_sum: the shared expert's gate must be [{t}, 1]")
+    spec = moe_sum_spec(t, k, h, dt, shared=dtype_name(gate) if shared is not None else None)
+    launch(spec, [o, topk_weights, out, n_rows, strides_of(out)[0], x, gate,
+                  strides_of(gate)[0] if shared is not None else 0])
     return _unwrap(out)

@@ -10,8 +10,8 @@ the default (autotune_moe.py refuses a candidate whose output differs from the d
 The fields are flat (gate_up_*, down_*) so that a YAML entry names them one by one and
 Configs._get can check them against this dataclass, as it does for the attention knobs.
 block_m is one field for both GEMMs: in the grouped path moe_align sorts the rows into blocks
-of it, and gate_up and down walk the same blocks. The decode path ignores it (16-row tiles, one
-live row each: moe_gemm._gemm_spec).
+of it, and gate_up and down walk the same blocks. The decode paths ("decode", "decode_token":
+moe.py) ignore it (16-row tiles, one live row each: moe_gemm._gemm_spec).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from kiln.codegen.triton.moe import moe_path, moe_tiles
 from kiln.codegen.triton.moe_gemm import MoeTile
 
-PATHS = ("decode", "grouped")
+PATHS = ("decode", "decode_token", "grouped")
 _TILE = ("block_n", "block_k", "num_warps", "num_stages", "group_m")  # a MoeTile's fields past block_m
 
 

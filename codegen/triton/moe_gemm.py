@@ -140,6 +140,9 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
     pdl_enter(PDL)  # before any global access (pdl.py)
     if DECODE:
         pid_m, pid_n, r_dec = 0, tl.program_id(0), tl.program_id(1)
+        # the expert id first (in bounds for every program, used only by a live one), so that its
+        # load and n_rows' are in flight together: the weight addresses wait on both
+        rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
         if r_dec // TOPK >= tl.load(n_rows_ptr):
             return
     else:
@@ -147,7 +150,7 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
         r_dec = 0
         if pid_m * BLOCK_M >= tl.load(n_post_ptr):
             return
-    rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
+        rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
     ok = rows < NUM_ROWS
     x_rows = x_ptr + (tl.where(ok, rows, 0) // TOPK).to(tl.int64) * stride_x  # [BM]: token t of r
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,13 +171,14 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
                     I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
-                    RB: tl.constexpr = 0):
+                    RB: tl.constexpr = 0, SPLIT: tl.constexpr = False):
     # a: [T*k, I] packed; w: [E, H, I] (QT >= 0: [E, H, RB] GGUF blocks); tw: f32[T*k] routing weights
     # grouped: o: [T*k, H] packed (the dtype's), grid (cdiv(EM, BM) * cdiv(H, BN),); tw, y unused
-    # decode: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
+    # decode, SPLIT: o as grouped, a program per (column block, assignment), grid (cdiv(H, BN), T*k)
+    # decode, not SPLIT: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
     pdl_enter(PDL)  # before any global access (pdl.py)
     ROW: tl.constexpr = RB if QT >= 0 else I  # w's elements a row
-    if DECODE:
+    if DECODE and not SPLIT:
         pid_n, t = tl.program_id(0), tl.program_id(1)
         if t >= tl.load(n_rows_ptr):
             return
@@ -191,10 +195,17 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
         dst = y_ptr + t.to(tl.int64) * stride_y + lane[:, None] * 0 + rn[None, :]  # row 0 holds the token
         tl.store(dst, y.to(y_ptr.dtype.element_ty), mask=(lane[:, None] == 0) & (rn[None, :] < H))
     else:
-        pid_m, pid_n = _tile_ids(tl.program_id(0), EM, H, BLOCK_M, BLOCK_N, GROUP_M)
-        if pid_m * BLOCK_M >= tl.load(n_post_ptr):
-            return
-        rows, e = _rows(pid_m, 0, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, False)
+        if DECODE:  # SPLIT: one assignment r_dec, in row 0; its token's rank-order sum is moe_sum_kernel's
+            pid_m, pid_n, r_dec = 0, tl.program_id(0), tl.program_id(1)
+            rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
+            if r_dec // TOPK >= tl.load(n_rows_ptr):  # (the id loaded first: moe_gate_up_kernel says why)
+                return
+        else:
+            pid_m, pid_n = _tile_ids(tl.program_id(0), EM, H, BLOCK_M, BLOCK_N, GROUP_M)
+            r_dec = 0
+            if pid_m * BLOCK_M >= tl.load(n_post_ptr):
+                return
+            rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
         ok = rows < NUM_ROWS
         safe = tl.where(ok, rows, 0).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,10 +217,14 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
 
 
 @triton.jit
-def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, H: tl.constexpr, TOPK: tl.constexpr,
-                   BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, x_ptr, gate_ptr, stride_gt,
+                   H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                   PDL: tl.constexpr = False, SHARED: tl.constexpr = False):
     # grid: (T, cdiv(H, BLOCK)); o: [T*k, H] packed (a token's k rows adjacent, in rank order);
     # tw: f32[T*k]; y: [T, H] (rows strided)
+    # SHARED: y = routed + x * sigmoid(gate), the shared expert's output joining the routed
+    # experts' (models/moe.py: sigmoid_mul then add), with gdn.sigmoid_mul_kernel's formula and
+    # roundings (HAS_ADD, GATE_PER_HEAD): x: [T, H] packed, gate: [T, 1] (rows strided by stride_gt)
     pdl_enter(PDL)  # before any global access (pdl.py)
     t, pid = tl.program_id(0), tl.program_id(1)
     if t >= tl.load(n_rows_ptr):
@@ -221,20 +236,27 @@ def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, H: tl.constexpr, 
     for j in tl.static_range(TOPK):  # rank order from zero: graph/moe_ops.py's `y += w_j * o_j`
         o = tl.load(src + j * H, mask=m, other=0.0).to(tl.float32)
         y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
-    tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+    dt = y_ptr.dtype.element_ty
+    out = y.to(dt)  # the routed experts' output, rounded as moe_experts rounds it
+    if SHARED:
+        x = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=m, other=0.0).to(tl.float32)
+        gt = tl.load(gate_ptr + t.to(tl.int64) * stride_gt).to(tl.float32)
+        sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
+        out = (out.to(tl.float32) + (x * sg).to(dt).to(tl.float32)).to(dt)
+    tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, out, mask=m)
 
 
 def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h: int, i: int, *,
-               tile: MoeTile, decode: bool, qtype: str | None = None) -> KernelSpec:
+               tile: MoeTile, decode: bool, qtype: str | None = None, split: bool = False) -> KernelSpec:
     bm = 16 if decode else tile.block_m
-    if decode:  # gate_up: a program per (column block, assignment); down: per (column block, token)
-        grid = (cdiv(n_out, tile.block_n), t * top_k if kernel == "moe_gate_up_kernel" else t, 1)
+    if decode:  # gate_up, and split down: a program per (column block, assignment); down: per (column block, token)
+        grid = (cdiv(n_out, tile.block_n), t * top_k if kernel == "moe_gate_up_kernel" or split else t, 1)
     else:
         grid = (cdiv(moe_align_capacity(t, top_k, e, bm), bm) * cdiv(n_out, tile.block_n), 1, 1)
     return KernelSpec(
         module=__name__, kernel=kernel, signature=sig,
         constexprs=dict(I=i, H=h, TOPK=top_k, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                        GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False,
+                        GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False, **({"SPLIT": True} if split else {}),
                         **(_gguf_constexprs(qtype, h if kernel == "moe_gate_up_kernel" else i, tile) if qtype else {})),
         grid=grid, num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible=tuple(n for n in sig if n.endswith("_ptr")))
@@ -261,20 +283,28 @@ def moe_gate_up_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "b
 
 
 def moe_down_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
-                  decode: bool, qtype: str | None = None) -> KernelSpec:
-    """a [T*k, I] through w2 [E, H, I] (qtype: [E, H, RB] GGUF blocks): grouped -> o [T*k, H] (then
-    moe_sum), decode -> y [T, H]."""
+                  decode: bool, qtype: str | None = None, split: bool = False) -> KernelSpec:
+    """a [T*k, I] through w2 [E, H, I] (qtype: [E, H, RB] GGUF blocks): grouped, or decode with
+    split -> o [T*k, H] (then moe_sum); decode without -> y [T, H]."""
+    if split and not decode:
+        raise ValueError("moe: split is a decode form of down")
     p = sig_type(dtype)
     sig = {"a_ptr": p, "w_ptr": "*u8" if qtype else p, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META,
            "stride_y": "i32"}
-    return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype)
+    return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype,
+                      split=split)
 
 
 def moe_sum_spec(t: int, top_k: int, h: int, dtype: str = "bfloat16", *, block: int = 1024,
-                 num_warps: int = 4) -> KernelSpec:
+                 num_warps: int = 4, shared: str | None = None) -> KernelSpec:
+    """The rank-order sum of each token's k weighted expert rows; shared: the shared expert's
+    gate dtype, its sigmoid_mul and the add to the routed output done here too (moe_sum_kernel)."""
     block = min(block, 1 << max(4, (h - 1).bit_length()))
+    p = sig_type(dtype)
     return KernelSpec(module=__name__, kernel="moe_sum_kernel",
-                      signature=dict(o_ptr=sig_type(dtype), tw_ptr="*fp32", y_ptr=sig_type(dtype),
-                                     n_rows_ptr="*i32", stride_y="i32"),
-                      constexprs=dict(H=h, TOPK=top_k, BLOCK=block, INTERPRET=False), grid=(t, cdiv(h, block)),
-                      num_warps=num_warps, num_stages=1, divisible=("o_ptr", "tw_ptr", "y_ptr", "n_rows_ptr"))
+                      signature=dict(o_ptr=p, tw_ptr="*fp32", y_ptr=p, n_rows_ptr="*i32", stride_y="i32", x_ptr=p,
+                                     gate_ptr=sig_type(shared) if shared else p, stride_gt="i32"),
+                      constexprs=dict(H=h, TOPK=top_k, BLOCK=block, INTERPRET=False,
+                                      **({"SHARED": True} if shared else {})),
+                      grid=(t, cdiv(h, block)), num_warps=num_warps, num_stages=1,
+                      divisible=("o_ptr", "tw_ptr", "y_ptr", "n_rows_ptr", "x_ptr"))

@@ -46,12 +46,15 @@ def test_problems_paths_and_row_blocks():
     assert (p.e, p.h, p.i, p.top_k, p.dtype) == (E, H, I, K, "bfloat16") and p.ts == [1, 2, 4, 8, 16, 32, 64]
     # the TUNED_MS that covers a bucket, never past the largest bucket
     assert moe_problems(graph, [Bucket(24, 8, 8, False), Bucket(100, 8, 8, False)])[0].ts == [32, 100]
-    # both paths near the default threshold (64 assignments), the default's first
-    assert paths(1, 8) == ["decode"] and paths(4, 8) == ["decode", "grouped"] and paths(16, 8) == ["grouped", "decode"]
+    # both decode forms wherever decode is the default; grouped and decode near the default
+    # threshold (64 assignments), the default's first
+    assert paths(1, 8) == ["decode", "decode_token"] and paths(4, 8) == ["decode", "decode_token", "grouped"]
+    assert paths(16, 8) == ["grouped", "decode", "decode_token"]
     assert paths(2048, 8) == ["grouped"]
     # row blocks up to twice an expert's mean rows: 16 at 2 rows an expert, all at 128
     assert block_ms(8, 8, 128) == [16] and block_ms(2048, 8, 128) == [16, 32, 64, 128]
     assert {t.block_m for t in tiles("decode", 64)} == {16} and {t.block_m for t in tiles("grouped", 32)} == {32}
+    assert tiles("decode_token", 16) == tiles("decode", 16)
     assert not moe_problems(moe_graph(architectures=["Qwen3ForCausalLM"]), make_buckets(8, 64))  # dense: none
 
 
@@ -124,7 +127,8 @@ def test_a_candidate_that_changes_the_bits_is_refused_and_reported():
     at = {e["t"]: e for e in sched.entries["moe_experts"]}
     assert at[8]["path"] == "decode"  # the default's path; grouped was faster, with other bits
     assert at[64]["path"] == "grouped"  # the default is grouped here: decode's are the other bits
-    assert {(g[1], c.path) for g, c in bench.mismatches} == {(8, "grouped"), (64, "decode")}
+    assert {(g[1], c.path) for g, c in bench.mismatches} == {(8, "grouped"), (64, "decode"),
+                                                               (64, "decode_token")}
 
 
 def test_a_schedules_entry_changes_the_compiled_plan():
@@ -133,7 +137,9 @@ def test_a_schedules_entry_changes_the_compiled_plan():
     tuned = {**SHAPE, "t": 4, **MoeConfig(path="grouped", block_m=32, gate_up_block_n=16, down_num_warps=8).fields()}
     configs = Configs(Schedules("sm_90", {"moe_experts": [tuned]}).lookup)
     default = {s.kernel: s for s in moe_launches(graph, buckets[0], buckets)}
-    assert set(default) == {"moe_gate_up_kernel", "moe_down_kernel"}  # 8 assignments: the decode path
+    # 8 assignments: the decode path (GEMMs over assignments, then the rank sum: no shared expert to fold it into)
+    assert set(default) == {"moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel"}
+    assert default["moe_down_kernel"].constexprs["SPLIT"]
     plan = {s.kernel: s for s in moe_launches(graph, buckets[0], buckets, configs)}
     assert set(plan) == MOE_KERNELS  # the entry's path: align, grouped GEMMs, sum
     assert plan["moe_align_kernel"].constexprs["BLOCK_M"] == 32 and plan["moe_gate_up_kernel"].constexprs["BLOCK_N"] == 16

@@ -41,6 +41,16 @@ def test_moe_plan_matches_numpy():
     decode = Counter(spec.kernel for spec, _ in run.lowered[DECODE])
     assert mixed["moe_router_kernel"] == decode["moe_router_kernel"] == layers
     assert mixed["moe_align_kernel"] == mixed["moe_sum_kernel"] == layers and decode["moe_align_kernel"] == 0
+    # the decode path: GEMMs over (column block, assignment), then the rank-order sum; in both
+    # buckets that sum also runs the shared expert's sigmoid_mul and the add (lower.py
+    # _defer_moe_sum), so no sigmoid_mul of a [T, 1] gate is left
+    assert decode["moe_sum_kernel"] == decode["moe_gate_up_kernel"] == decode["moe_down_kernel"] == layers
+    for bucket in (MIXED, DECODE):
+        sums = [spec for spec, _ in run.lowered[bucket] if spec.kernel == "moe_sum_kernel"]
+        assert all(spec.constexprs.get("SHARED") for spec in sums), bucket
+        assert not any(spec.constexprs.get("GATE_PER_HEAD") for spec, _ in run.lowered[bucket]
+                       if spec.kernel == "sigmoid_mul_kernel"), bucket
+    assert all(spec.constexprs.get("SPLIT") for spec, _ in run.lowered[DECODE] if spec.kernel == "moe_down_kernel")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 140, 70)]
     blocks = [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]

@@ -100,10 +100,16 @@ def test_experts_match_reference_and_a_tokens_bits_its_path_batch_and_tiles():
     for bm in (16, 32, 64):  # 64: wgmma on sm_90
         tile = MoeTile(block_m=bm, block_n=64, block_k=64 if bm < 64 else 128, num_warps=4, num_stages=3)
         assert same_bits(run_experts(x, ids, ww, w13, w2, path="grouped", tiles=(tile, tile)), full), bm
-    assert same_bits(run_experts(x, ids, ww, w13, w2, path="decode"), full), "decode path, 300 tokens"
+    for path in ("decode", "decode_token"):
+        assert same_bits(run_experts(x, ids, ww, w13, w2, path=path), full), f"{path} path, 300 tokens"
+    # decode tiles the tuner sweeps: narrow and wide columns, K in one step or several
+    for gu, dn in ((MoeTile(16, 16, 128, 2, 5), MoeTile(16, 16, 256, 2, 2)),
+                   (MoeTile(16, 64, 64), MoeTile(16, 32, 512))):
+        assert same_bits(run_experts(x, ids, ww, w13, w2, path="decode", tiles=(gu, dn)), full), (gu, dn)
     for i in (0, 151, 299):
-        one = run_experts(x[i:i + 1], ids[i:i + 1], ww[i:i + 1], w13, w2, path="decode")
-        assert same_bits(one[0], full[i]), f"token {i} alone (decode) differs from its row among 300"
+        for path in ("decode", "decode_token"):
+            one = run_experts(x[i:i + 1], ids[i:i + 1], ww[i:i + 1], w13, w2, path=path)
+            assert same_bits(one[0], full[i]), f"token {i} alone ({path}) differs from its row among 300"
 
 
 def test_decode_bandwidth_at_35b_a3b_shape():
@@ -120,10 +126,12 @@ def test_decode_bandwidth_at_35b_a3b_shape():
         ids = torch.from_numpy(np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)).cuda()
         w = torch.full((t, k), 1.0 / k, device="cuda")
         out = torch.empty((t, h), device="cuda", dtype=torch.bfloat16)
-        a = torch.empty((t * k, i), device="cuda", dtype=torch.bfloat16)
         nr = torch.tensor([t], dtype=torch.int32, device="cuda")
-        fn = lambda: moe_experts(x, ids, w, w13, w2, out, path="decode", n_rows=nr, workspace={"a": a})  # noqa: E731
-        fn()
-        us = triton.testing.do_bench_cudagraph(fn) * 1e3
-        nbytes = len(set(ids.cpu().numpy().reshape(-1).tolist())) * 3 * i * h * 2
-        print(f"\nmoe decode T={t}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s of expert weights")
+        for path in ("decode", "decode_token"):
+            ws = {n: torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+                  for n, (shape, _) in moe_workspace(t, k, e, h, i, "bfloat16", path=path, block_m=16).items()}
+            fn = lambda: moe_experts(x, ids, w, w13, w2, out, path=path, n_rows=nr, workspace=ws)  # noqa: E731
+            fn()
+            us = triton.testing.do_bench_cudagraph(fn) * 1e3
+            nbytes = len(set(ids.cpu().numpy().reshape(-1).tolist())) * 3 * i * h * 2
+            print(f"\nmoe {path} T={t}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s of expert weights")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kiln.codegen.triton.aot import compile_specs
-from kiln.codegen.triton.moe import moe_experts, moe_experts_specs, moe_path
+from kiln.codegen.triton.moe import moe_experts, moe_experts_specs, moe_path, moe_sum
 from kiln.codegen.triton.moe_align import moe_align, moe_align_capacity
-from kiln.codegen.triton.moe_gemm import MoeTile
+from kiln.codegen.triton.moe_gemm import MoeTile, moe_sum_spec
 from kiln.codegen.triton.moe_router import moe_router, moe_router_spec
 from kiln.graph import moe_ops
 from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
@@ -157,8 +157,11 @@ def test_align_sorts_assignments_by_expert_into_padded_blocks(rng, case, block_m
 
 # -- experts --------------------------------------------------------------------------------------
 
+PATHS = ("decode", "decode_token", "grouped")
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
-@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", ["random", "some_experts_idle", "one_expert_takes_all"])
 def test_experts_match_reference(rng, dtype, path, case):
     t = 40 if path == "grouped" else 5
@@ -195,7 +198,7 @@ def test_kernels_match_the_graph_ops(rng):
     assert (ids[:, 0] == 6).all()
     assert_close(w, want_w, rtol=1e-6, what="router weights")
     want = moe_ops.moe_experts(x, want_ids, want_w, w13, w2)
-    for path in ("decode", "grouped"):
+    for path in PATHS:
         assert_close(moe_experts(x, ids, w, w13, w2, path=path), want, what=f"moe_experts {path}")
 
 
@@ -216,9 +219,13 @@ def test_a_tokens_bits_do_not_depend_on_its_batch_path_or_tiles(rng, dtype):
     full = moe_experts(x, ids, w, w13, w2)
     for tile in TILES:
         assert same_bits(moe_experts(x, ids, w, w13, w2, path="grouped", tiles=(tile, tile)), full), tile
-    assert same_bits(moe_experts(x, ids, w, w13, w2, path="decode"), full)
+    for path in ("decode", "decode_token"):
+        assert same_bits(moe_experts(x, ids, w, w13, w2, path=path), full), path
+    # decode tiles: narrow and wide columns, K in one step or several (the 16-step chain either way)
+    for gu, dn in ((MoeTile(16, 16, 32, 2, 5), MoeTile(16, 16, 16, 2, 4)), (MoeTile(16, 64, 64), MoeTile(16, 32, 32))):
+        assert same_bits(moe_experts(x, ids, w, w13, w2, path="decode", tiles=(gu, dn)), full), (gu, dn)
     for i in (0, 17, 39):
-        for path in ("decode", "grouped"):
+        for path in PATHS:
             one = moe_experts(x[i:i + 1], ids[i:i + 1], w[i:i + 1], w13, w2, path=path)
             assert same_bits(one[0], full[i]), f"token {i} alone ({path}) differs from its row in the batch"
         few = moe_experts(x[i:i + 4], ids[i:i + 4], w[i:i + 4], w13, w2, path="grouped")
@@ -227,7 +234,7 @@ def test_a_tokens_bits_do_not_depend_on_its_batch_path_or_tiles(rng, dtype):
         assert not same_bits(ref_experts(x, ids, w, w13, w2), full)
 
 
-@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("path", PATHS)
 def test_padded_tokens_are_skipped(rng, path):
     """n_rows < T: the live tokens get their bits, the padding rows are not written."""
     t, live = 12, 9
@@ -242,11 +249,50 @@ def test_padded_tokens_are_skipped(rng, path):
     assert (f32(out[live:]) == 7.0).all()
 
 
-def test_specs_cover_both_paths():
-    kernels = {s.kernel for p in ("decode", "grouped") for s in moe_experts_specs(40, K, E, H, I, path=p)}
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_the_rank_sum_with_the_shared_expert_gives_the_three_ops_bits(rng, dtype):
+    """moe_sum with shared=(x, gate) (the lowering folds the shared expert's sigmoid_mul and the
+    add into the routed experts' rank-order sum: lower.py _defer_moe_sum) against moe_experts,
+    then gdn.sigmoid_mul with add=, both paths that can defer: the same bits; padded rows left
+    alone; and within rounding of the graph ops."""
+    from kiln.codegen.triton.gdn import sigmoid_mul
+    from kiln.codegen.triton.moe import moe_workspace
+
+    t, live, k = 7, 5, 3
+    x = rand(rng, (t, H), dtype)
+    w13, w2 = _weights(rng, dtype)
+    ids, w = _routing(rng, t, "one_expert_takes_all", k=k)
+    shared = rand(rng, (t, H), dtype)
+    gate_cols = rand(rng, (t, 5), dtype, 2.0)  # the [T, 1] gate: a strided column of a merged GEMM's output
+    gate = gate_cols[:, 3:4]
+    n = np.array([live], np.int32)
+    routed = moe_experts(x, ids, w, w13, w2, n_rows=n)
+    want = sigmoid_mul(shared.reshape(t, 1, H), gate[:, :, None], n_rows=n, add=routed.reshape(t, 1, H))[:, 0]
+    for path in ("decode", "grouped"):
+        need = moe_workspace(t, k, E, H, I, np.dtype(dtype).name, path=path, block_m=16)
+        ws = {name: np.empty(shape, dtype if d == np.dtype(dtype).name else d) for name, (shape, d) in need.items()}
+        out = np.full((t, H), 7.0, dtype)
+        moe_experts(x, ids, w, w13, w2, out, path=path, n_rows=n, workspace=ws, defer_sum=True)
+        assert (f32(out) == 7.0).all()  # nothing summed yet
+        moe_sum(ws["o"], w, out, n_rows=n, shared=(shared, gate))
+        assert same_bits(out[:live], want[:live]), path
+        assert (f32(out[live:]) == 7.0).all()
+    g = 1 / (1 + np.exp(-f32(gate)))
+    ref = f32(ref_experts(x, ids, w, w13, w2)) + f32(shared) * g
+    assert_close(out[:live], ref[:live].astype(dtype), rtol=2e-2 if dtype == BF16 else 1e-4, what="routed + shared")
+
+
+def test_specs_cover_every_path():
+    kernels = {s.kernel for p in PATHS for s in moe_experts_specs(40, K, E, H, I, path=p)}
     assert kernels == {"moe_align_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel"}
+    # Qwen3.6-35B-A3B at batch 1 (issue 37): both GEMMs over (column block, assignment), 16 wide,
+    # then the rank-order sum; the token form's down has a program per column block only
     dec = moe_experts_specs(1, 8, 256, 2048, 512, path="decode")
-    assert [s.grid for s in dec] == [(512 // 32, 8, 1), (2048 // 16, 1, 1)]
+    assert [s.kernel for s in dec] == ["moe_gate_up_kernel", "moe_down_kernel", "moe_sum_kernel"]
+    assert [s.grid[:2] for s in dec] == [(512 // 16, 8), (2048 // 16, 8), (1, 2)]
+    assert dec[1].constexprs["SPLIT"] and dec[1].constexprs["DECODE"]
+    tok = moe_experts_specs(1, 8, 256, 2048, 512, path="decode_token")
+    assert [s.grid for s in tok] == [(512 // 32, 8, 1), (2048 // 16, 1, 1)] and "SPLIT" not in tok[1].constexprs
 
 
 def moe_specs():
@@ -255,6 +301,8 @@ def moe_specs():
     specs = [moe_router_spec(64, 256, 8, renormalize=True), moe_router_spec(64, E, K, "float32", renormalize=False)]
     for t in (1, 64, 4096):
         specs += moe_experts_specs(t, 8, 256, 2048, 512)
+    specs += moe_experts_specs(1, 8, 256, 2048, 512, path="decode_token")
+    specs += [moe_sum_spec(t, 8, 2048, shared="bfloat16") for t in (1, 64)]  # with the shared expert's add
     specs += moe_experts_specs(40, K, E, H, I, "float32", path="grouped")
     return specs
 
