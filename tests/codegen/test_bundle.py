@@ -167,5 +167,7 @@ def test_every_bucket_of_a_moe_model_compiles(target, arch):
         path = moe_path(p["bucket"][0], 2)
         paths.add(path)
         assert names.count("moe_router_kernel") == names.count("moe_down_kernel") == layers
-        assert names.count("moe_align_kernel") == names.count("moe_sum_kernel") == (layers if path == "grouped" else 0)
+        assert names.count("moe_align_kernel") == (layers if path == "grouped" else 0)
+        # both paths end in the rank-order sum (issue 37: the decode path's down runs per assignment)
+        assert names.count("moe_sum_kernel") == layers
     assert paths == {"decode", "grouped"}
