@@ -173,22 +173,28 @@ def progress(llm, a, total: int, desc: str):
 
 
 def weight_bytes_per_token(llm) -> int:
-    """Bytes of weights one batch-1 decode token reads: all of them, except that an untied embedding
-    table gives one row (a tied one is read whole by the LM head) and a stacked expert tensor
-    ([num_experts, ...]) gives the num_experts_per_tok experts the router picks."""
+    """Bytes of weights one batch-1 decode token reads (decode_weight_bytes of the loaded graph)."""
+    return decode_weight_bytes(llm.model.graph, llm.model.source.config)
+
+
+def decode_weight_bytes(graph, cfg) -> int:
+    """Bytes of weights one batch-1 decode token reads from `graph`: every weight at the dtype the graph
+    holds it in (so a quantised checkpoint's weights and scales as stored: FP8 e4m3 weights and their
+    f32 scales, NVFP4's packed u8 pairs, e4m3 block scales and f32 tensor scales, a GGUF linear's raw
+    u8 blocks; the plain tensors in the graph's dtype), except that an untied embedding table gives one
+    row (a tied one is read whole by the LM head) and a stacked expert tensor ([num_experts, ...]) gives
+    the num_experts_per_tok experts the router picks. An untied head may be `lm_head.weight` or a
+    GGUF's `lm_head.gguf_weight`: the embedding is one row either way."""
     from kiln.graph import to_numpy
 
-    cfg = llm.model.source.config
-    weights = {}
-    for t in llm.model.graph.weights:
+    total = 0
+    for t in graph.weights:
         n = to_numpy(t.dtype).itemsize * int(np.prod(t.shape))
         if cfg.num_experts and len(t.shape) == 3 and t.shape[0] == cfg.num_experts and ".experts." in t.name:
             n = n // cfg.num_experts * cfg.num_experts_per_tok
-        weights[t.name] = n
-    total = sum(weights.values())
-    embed = "model.embed_tokens.weight"
-    if "lm_head.weight" in weights and embed in weights:
-        total -= weights[embed] - weights[embed] // cfg.vocab_size
+        if t.name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            n //= t.shape[0]
+        total += n
     return total
 
 

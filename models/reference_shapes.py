@@ -71,6 +71,12 @@ TEST_SHAPES: dict[str, dict] = {
                        tie_word_embeddings=False,
                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    # tiny-llama at widths of whole k-quant blocks (256 weights): the smallest Llama a Q4_K / Q6_K GGUF
+    # can hold (bench/make_random_model.py --format q4k)
+    "tiny-llama-k": dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=256,
+                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=500000.0,
+                         tie_word_embeddings=False),
     # Qwen3.6-27B's structure: 3 Gated DeltaNet layers then 1 gated full-attention layer, Hq/Hkv 6,
     # Hv/Hk 3, a gated-attention head of 32 (8 rotary dims), GDN heads of 16, untied head
     "tiny-qwen3.6": dict(_QWEN3_5_COMMON, architectures=["Qwen3_5ForConditionalGeneration"], vocab_size=320,
