@@ -20,7 +20,7 @@ from pathlib import Path
 from kiln.errors import ConfigError, KilnError
 from kiln.loader import GPU_TARGETS
 from kiln.server.cli_args import (HelpFormatter, add_kv_cache_dtype_argument, add_parallel_arguments,
-                                  add_serve_arguments)
+                                  add_quantization_argument, add_serve_arguments)
 
 try:  # bench/ is in the repository checkout beside this file, not in an installed wheel
     from kiln.bench.cli import add_bench_arguments
@@ -47,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     kw = dict(target=args.target, bundle_dir=args.bundle, kv_cache_tokens=max(4096, args.max_tokens + 4096),
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     if args.tensor_parallel_size > 1 or args.distributed_executor_backend == "ray":  # worker processes (issue 44)
         lm = load_tensor_parallel(args.model, tensor_parallel_size=args.tensor_parallel_size,
                                   distributed_executor_backend=args.distributed_executor_backend, **kw)
@@ -82,7 +82,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.loader import ConfigSource, build_graph, compile_model, context_length, read_config
 
     t0 = time.perf_counter()
-    cfg = read_config(args.model)  # the weights are not read to compile: config.json alone will do
+    cfg = read_config(args.model, args.quantization)  # the weights are not read to compile: config.json will do
     source = ConfigSource(cfg)
     graph = build_graph(cfg, target=args.target, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                         dump_dir=args.dump_ir)
@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or the GPU to compile for and run on: sm_90 (H100/H200), sm_121 (GB10)")
     g.add_argument("--bundle", help=BUNDLE_HELP)
     add_kv_cache_dtype_argument(g)
+    add_quantization_argument(g)
     add_parallel_arguments(g)
     g.set_defaults(func=cmd_generate)
 
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-ir", help="write the graph after every pass into this directory (default: none)")
     _add_shape_arguments(c)
     add_kv_cache_dtype_argument(c)
+    add_quantization_argument(c)
     c.add_argument("--verbose", action="store_true",
                    help="list every kernel config that uses kiln's defaults (no schedules entry)")
     c.add_argument("--no-progress", action="store_true", help="no progress bars, a line per phase instead")

@@ -22,6 +22,7 @@ from kiln.graph import DType, Graph
 from kiln.models.config import ModelConfig
 from kiln.models.fp8_weights import check_weight_dtypes
 from kiln.models.gguf_quant import load_report, without_blocks
+from kiln.models.quant_config import check_quantization_name, resolve_quantization
 from kiln.models.registry import get_graph_builder
 from kiln.models.source import ModelSource, open_model, read_hf_config
 from kiln.passes.pipeline import default_passes, run_pipeline
@@ -82,17 +83,20 @@ def _kv_cache_dtype(name: str) -> DType | None:
         raise ConfigError(str(e)) from None
 
 
-def open_source(model: str | Path | None = None) -> ModelSource:
-    """Open a model path (HF directory or GGUF file); None: the default model."""
-    return open_model(model if model is not None else default_model_path())
+def open_source(model: str | Path | None = None, quantization: str | None = None) -> ModelSource:
+    """Open a model path (HF directory or GGUF file); None: the default model. quantization:
+    vLLM's --quantization, checked against the checkpoint (models/quant_config.py resolve_quantization)."""
+    return open_model(model if model is not None else default_model_path(), quantization)
 
 
-def read_config(model: str | Path | None = None) -> ModelConfig:
+def read_config(model: str | Path | None = None, quantization: str | None = None) -> ModelConfig:
     """A model's config; a directory holding only config.json will do (tuning needs shapes only)."""
     cfg_file = Path(model or "") / "config.json"
     if model and cfg_file.is_file():  # read_hf_config: hf_quant_config.json beside it counts too
-        return ModelConfig.from_hf_dict(read_hf_config(cfg_file.parent), source=str(cfg_file))
-    return open_source(model).config
+        check_quantization_name(quantization)
+        cfg = ModelConfig.from_hf_dict(read_hf_config(cfg_file.parent), source=str(cfg_file))
+        return resolve_quantization(cfg, quantization, "safetensors", str(cfg_file.parent))
+    return open_source(model, quantization).config
 
 
 def context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
@@ -122,10 +126,10 @@ def build_graph(cfg: ModelConfig, *, target: str, block_size: int = 16, kv_cache
         raise ConfigError(str(e)) from None
 
 
-def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True):
+def load_frontend(model: str | Path | None = None, *, tokenizer: bool = True, quantization: str | None = None):
     """-> (ModelConfig, Tokenizer or None) without loading weights: what a serving front
     end needs when the engine core runs in another process."""
-    source = open_source(model)
+    source = open_source(model, quantization)
     return source.config, load_tokenizer(source) if tokenizer else None
 
 
@@ -151,7 +155,7 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
          kv_cache_tokens: int | None = 8192, tokenizer: bool = True, max_model_len: int | None = None,
          max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
          bundle_dir: str | Path | None = None, kv_cache_dtype: str = "auto",
-         num_state_snapshots: int = 0, gguf_blocks: bool = False) -> LoadedModel:
+         num_state_snapshots: int = 0, gguf_blocks: bool = False, quantization: str | None = None) -> LoadedModel:
     """Open, build and load a model. target "cpu" runs the graph with numpy; "sm_90"
     or "sm_121" compiles a bundle (or reads `bundle_dir` if it holds one for this
     model and target) and runs it on the GPU. kv_cache_tokens None: on a GPU, size the
@@ -160,12 +164,15 @@ def load(model: str | Path | None = None, *, target: str = "cpu", block_size: in
     (e4m3, scale 1.0: half the bytes of bf16 per token, so twice the tokens in the cache).
     A hybrid model gets max_num_seqs running state slots, num_state_snapshots more for the
     prefix cache's snapshots, and the null slot 0 (models without such state ignore both).
-    gguf_blocks: a GGUF's linears compute in their block formats on cpu too (build_graph)."""
+    gguf_blocks: a GGUF's linears compute in their block formats on cpu too (build_graph).
+    quantization: vLLM's --quantization (fp8, compressed-tensors, modelopt, modelopt_fp4, gguf): the
+    checkpoint's own method or refused naming both; fp8 on an unquantised checkpoint quantises its
+    linears at load (online FP8, models/fp8_online.py)."""
     if target not in ("cpu",) + GPU_TARGETS:
         raise KilnError(f"unknown target {target!r} (known: cpu, {', '.join(GPU_TARGETS)})")
     _kv_cache_dtype(kv_cache_dtype)  # an unknown name fails before the model is opened
     num_state_slots = max_num_seqs + num_state_snapshots + 1
-    source = open_source(model)
+    source = open_source(model, quantization)
     cfg = source.config
     graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                         gguf_blocks=gguf_blocks)
@@ -381,7 +388,7 @@ def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_siz
                          distributed_executor_backend: str | None = None, target: str = "cpu",
                          block_size: int = 16, kv_cache_tokens: int | None = 8192, tokenizer: bool = True,
                          max_num_seqs: int = 256, kv_cache_dtype: str = "auto", num_state_snapshots: int = 0,
-                         **_gpu_only: Any) -> LoadedModel:
+                         quantization: str | None = None, **_gpu_only: Any) -> LoadedModel:
     """`load` over `tensor_parallel_size` worker processes (vLLM's --tensor-parallel-size and
     --distributed-executor-backend mp|ray): the graph here is rank 0's (the engine's view of the
     caches), the weights live in the workers, each reading only its slices."""
@@ -389,6 +396,9 @@ def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_siz
     if backend not in DISTRIBUTED_BACKENDS:
         raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                           f"got {backend!r}")
+    if target != "cpu" and quantization is not None:
+        raise ConfigError(f"--quantization with tensor_parallel_size {tensor_parallel_size} on {target} is not "
+                          "supported by kiln yet")
     if target != "cpu":  # one GPU per rank, NCCL between them
         return _load_tensor_parallel_gpu(model, tensor_parallel_size, backend, target=target, block_size=block_size,
                                          kv_cache_tokens=kv_cache_tokens, tokenizer=tokenizer,
@@ -401,12 +411,12 @@ def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_siz
             raise ConfigError("--distributed-executor-backend ray needs ray, which is not installed "
                               "(pip install ray)") from None
     _kv_cache_dtype(kv_cache_dtype)
-    source = open_source(model)
+    source = open_source(model, quantization)
     cfg = source.config
     graph = build_graph(cfg, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                         tensor_parallel=(tensor_parallel_size, 0))
     make = functools.partial(_tensor_parallel_worker, str(source.path), tensor_parallel_size, target=target,
-                             block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                             block_size=block_size, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                              num_blocks=cpu_kv_blocks(graph, kv_cache_tokens, block_size),
                              num_state_slots=max_num_seqs + num_state_snapshots + 1)
     if backend == "ray":
@@ -421,12 +431,13 @@ def load_tensor_parallel(model: str | Path | None = None, *, tensor_parallel_siz
 
 
 def _tensor_parallel_worker(path: str, size: int, rank: int, comm, *, target: str, block_size: int,
-                            kv_cache_dtype: str, num_blocks: int, num_state_slots: int):
+                            kv_cache_dtype: str, num_blocks: int, num_state_slots: int,
+                            quantization: str | None = None):
     """In a worker process: rank `rank`'s graph and executor, its weights read as slices
     (models/tp_weights.py). The numpy executor: the compiled CPU target has no collectives."""
     from kiln.models.tp_weights import ShardedWeights
 
-    source = open_model(path)
+    source = open_model(path, quantization)
     graph = build_graph(source.config, target=target, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                         tensor_parallel=(size, rank))
     weights = ShardedWeights(source.weights, graph.attrs["tp_slices"])

@@ -38,7 +38,7 @@ def build_engine(args: EngineArgs) -> tuple[LLMEngine, Any]:
               tokenizer=not args.skip_tokenizer_init, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               bundle_dir=args.bundle_dir, kv_cache_dtype=args.kv_cache_dtype,
-              num_state_snapshots=args.state_snapshots())
+              num_state_snapshots=args.state_snapshots(), quantization=args.quantization)
     if args.tensor_parallel_size > 1 or args.distributed_executor_backend == "ray":
         lm = load_tensor_parallel(args.model, tensor_parallel_size=args.tensor_parallel_size,
                                   distributed_executor_backend=args.distributed_executor_backend, **kw)
@@ -90,7 +90,7 @@ def kv_cache_config(cfg, lm, block_size: int, num_state_snapshots: int = 0):
 
 def build_engine_process(args: EngineArgs) -> tuple[LLMEngine, None]:
     """-> an engine whose core runs in a child process; this process keeps the tokenizer."""
-    cfg, tok = load_frontend(args.model, tokenizer=not args.skip_tokenizer_init)
+    cfg, tok = load_frontend(args.model, tokenizer=not args.skip_tokenizer_init, quantization=args.quantization)
     args = args.with_model_defaults(cfg)
     core = EngineCoreClient(functools.partial(build_engine, args))  # the child runs build_engine(args)
     eos = sorted(tok.eos_token_ids) if tok is not None else []

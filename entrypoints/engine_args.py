@@ -38,6 +38,10 @@ class EngineArgs:
     async_scheduling: Optional[bool] = None
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" (the model's dtype), "fp8"/"fp8_e4m3"
     kv_cache_dtype: str = "auto"
+    # vLLM's --quantization: the checkpoint's method (fp8, compressed-tensors, modelopt, modelopt_fp4,
+    # gguf), checked against its own config; None: the checkpoint's. "fp8" on an unquantised
+    # checkpoint quantises its linears at load (online FP8, models/fp8_online.py)
+    quantization: Optional[str] = None
     # vLLM's --tensor-parallel-size: the model split over this many worker processes (issue 44)
     tensor_parallel_size: int = 1
     # vLLM's --distributed-executor-backend: "mp" (worker processes on this host; the default) or
@@ -48,6 +52,9 @@ class EngineArgs:
         from kiln.graph.dtype import kv_cache_dtype
 
         kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads
+        from kiln.models.quant_config import check_quantization_name
+
+        check_quantization_name(self.quantization)  # likewise (awq, gptq, ...: one sentence)
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

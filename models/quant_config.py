@@ -55,6 +55,7 @@ class Fp8Config:
     scale_name: str = "weight_scale"  # the weight scale's tensor suffix ("weight_scale_inv" for block-wise)
     targets: tuple[str, ...] = ()  # modules quantised (compressed-tensors); () = every decoder linear
     ignore: tuple[str, ...] = ()  # modules left unquantised (modules_to_not_convert, ignore, exclude_modules)
+    online: bool = False  # a bf16 checkpoint quantised at load (--quantization fp8, models/fp8_online.py)
 
     def quantizes(self, module: str) -> bool:
         """Whether the linear `module` (e.g. model.layers.0.self_attn.q_proj, a graph name) is stored
@@ -190,3 +191,65 @@ def _modelopt(qc: Mapping, source: str) -> Fp8Config | Nvfp4Config:
         kv = q.get("kv_cache_quant_algo") or q.get("kv_cache_scheme")
         raise _refuse(source, f"ModelOpt KV-cache quantisation {kv!r} (FP8 KV-cache scales)")
     return Fp8Config("modelopt", "tensor", "static", ignore=_names(q, "exclude_modules", "ignore"))
+
+
+# -- --quantization (vLLM's flag): the method's name, checked against the checkpoint -------------------
+
+# vLLM's names (vllm/model_executor/layers/quantization/__init__.py QuantizationMethods) of the
+# formats kiln runs, each as vLLM names a checkpoint of it (vllm/config/model.py
+# _verify_quantization: the config's quant_method, with ModelOpt's overrides giving "modelopt" for
+# quant_algo FP8 and "modelopt_fp4" for NVFP4; a .gguf file is "gguf").
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt", "modelopt_fp4", "gguf")
+
+
+def check_quantization_name(name: str | None) -> None:
+    """An unknown --quantization, or one of vLLM's methods kiln does not run (awq, gptq,
+    bitsandbytes, ...), is one sentence before anything is opened."""
+    if name is not None and name not in QUANTIZATION_METHODS:
+        raise UnsupportedQuantizationError(
+            f"--quantization {name!r} is not supported by kiln (it runs {', '.join(QUANTIZATION_METHODS)})")
+
+
+def checkpoint_method(config, fmt: str) -> str | None:
+    """vLLM's name for the quantization of a checkpoint (its ModelConfig, its format), None for none."""
+    q = config.quantization
+    if fmt == "gguf":
+        return "gguf"
+    if q is None:
+        return None
+    if isinstance(q, Nvfp4Config):
+        return "modelopt_fp4"
+    return q.method
+
+
+# what --quantization fp8 makes of an unquantised checkpoint: vLLM's online dynamic FP8 (fp8.py
+# Fp8Config with is_checkpoint_fp8_serialized False: each weight quantised to e4m3 with one scale per
+# tensor at load, activations quantised per token as they are made); the LM head stays as it is
+ONLINE_FP8 = Fp8Config("fp8", "tensor", "token", ignore=("lm_head",), online=True)
+
+
+def resolve_quantization(config, name: str | None, fmt: str, source: str):
+    """The model's config under --quantization `name` (vLLM's semantics): None or the checkpoint's
+    own method leaves it as it is; another method than the checkpoint's is refused naming both; fp8 on
+    an unquantised checkpoint quantises it online (ONLINE_FP8); any other method there is refused."""
+    check_quantization_name(name)
+    if name is None:
+        return config
+    have = checkpoint_method(config, fmt)
+    if have is not None:
+        # vLLM's ModelOpt override takes --quantization modelopt for an NVFP4 checkpoint too
+        if name == have or (name == "modelopt" and have == "modelopt_fp4"):
+            return config
+        raise UnsupportedQuantizationError(
+            f"--quantization {name} does not match {source}, which is quantized with {have}")
+    if name != "fp8":
+        raise UnsupportedQuantizationError(
+            f"--quantization {name} needs a checkpoint quantized with {name}, and {source} is not quantized "
+            f"(kiln quantizes online to fp8 only)")
+    if config.architecture not in FP8_ARCHITECTURES:
+        raise UnsupportedQuantizationError(
+            f"{source}: --quantization fp8 (online FP8) of {config.architecture} is not supported by kiln "
+            f"(FP8 runs for {', '.join(FP8_ARCHITECTURES)})")
+    import dataclasses
+
+    return dataclasses.replace(config, quantization=ONLINE_FP8)

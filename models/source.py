@@ -11,8 +11,10 @@ from typing import Any
 
 from kiln.errors import ConfigError, InvalidModelError, ModelNotFoundError
 from kiln.models.config import ModelConfig
+from kiln.models.fp8_online import OnlineFp8Weights
 from kiln.models.fp8_weights import Fp8Weights
 from kiln.models.gguf_quant import gguf_blocks
+from kiln.models.quant_config import check_quantization_name, resolve_quantization
 from kiln.models.registry import WEIGHT_ADAPTERS, get_graph_builder
 from kiln.models.weights import WeightSource, gguf_to_hf_config, open_weights
 
@@ -31,7 +33,11 @@ class ModelSource:
         return getattr(self.weights, "metadata", None) if self.format == "gguf" else None
 
 
-def open_model(path: str | Path) -> ModelSource:
+def open_model(path: str | Path, quantization: str | None = None) -> ModelSource:
+    """quantization: vLLM's --quantization, checked against the checkpoint's own (an unknown name, or
+    another method than the file's, is one sentence); "fp8" on an unquantised checkpoint quantises
+    its linears at load (models/fp8_online.py)."""
+    check_quantization_name(quantization)  # before anything is read
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
@@ -48,12 +54,15 @@ def open_model(path: str | Path) -> ModelSource:
     config = ModelConfig.from_hf_dict(hf, source=str(path / "config.json") if fmt == "safetensors" else str(path))
     if fmt == "gguf":  # its tensors in block formats kiln computes in (models/gguf_quant.py)
         config, weights = gguf_blocks(config, weights)
+    config = resolve_quantization(config, quantization, fmt, str(path))
     get_graph_builder(config.architecture)  # reject unknown architectures before loading anything
     _check_layer_count(config, weights, path)
     adapt = WEIGHT_ADAPTERS.get(config.architecture)
     if adapt is not None:
         weights = adapt(config, weights)
-    if config.quantization is not None and fmt != "gguf":
+    if getattr(config.quantization, "online", False):
+        weights = OnlineFp8Weights(weights, config.quantization)
+    elif config.quantization is not None and fmt != "gguf":
         weights = Fp8Weights(weights)
     return ModelSource(path, fmt, config, weights, hf)
 

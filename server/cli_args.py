@@ -45,6 +45,16 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
                         "scale 1.0) stores half the bytes of bf16 per token: twice the tokens, half the reads")
 
 
+def add_quantization_argument(p: argparse.ArgumentParser) -> None:
+    from kiln.models.quant_config import QUANTIZATION_METHODS
+
+    p.add_argument("--quantization", "-q", metavar="METHOD",
+                   help="the checkpoint's quantization method, vLLM's names (" + ", ".join(QUANTIZATION_METHODS)
+                   + "): checked against its quantization_config, a mismatch is an error; fp8 on an "
+                   "unquantized checkpoint quantizes its linears to FP8 at load (per-tensor weight scales, "
+                   "dynamic per-token activations). Default: the checkpoint's own")
+
+
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     """vLLM's names (serve and generate): the model split over worker processes (issue 44)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
@@ -132,6 +142,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", help="GPU bundle directory: read when it matches the model and flags, else compiled "
                    "there (default: none; compiled, or read back from the compile cache, at every start)")
     add_kv_cache_dtype_argument(p)
+    add_quantization_argument(p)
     add_parallel_arguments(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in its own process, so HTTP never takes a step's time")
@@ -184,7 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy, kv_cache_tokens=args.kv_cache_tokens, chat_template=template,
             target=args.target, bundle_dir=args.bundle, async_scheduling=args.async_scheduling,
             kv_cache_dtype=args.kv_cache_dtype, num_state_snapshots=args.num_state_snapshots,
-            tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend)
     except ValueError as e:  # a combination of flags the engine refuses, before anything loads
         raise KilnError(str(e)) from None

@@ -84,9 +84,11 @@ class _Probe:
         return out[self.lm.graph.outputs[0]], acts
 
 
-def _told_oracle(model, acts, stats):
+def _told_oracle(model, acts, stats, min_scale: float | None = None):
     """Hooks making `model` (the W8A16 oracle) the W8A8 oracle that takes kiln's rounding of each
-    boundary element (see the module docstring); returns the hook handles."""
+    boundary element (see the module docstring); returns the hook handles. The activation scale:
+    max(amax, 1e-10) / 448 (per token group), or with min_scale max(amax / 448, min_scale) (per
+    token: vLLM's ref_dynamic_per_token_quant clamps at 1 / (448 * 512))."""
     handles = []
     for name, mod in model.named_modules():
         if "layers" not in name.split(".") or _leaf(name) not in model.fp8_linears or name in model.fp8_skip:
@@ -98,7 +100,8 @@ def _told_oracle(model, acts, stats):
             x = args[0]
             groups = ks.shape[1]
             t = x.reshape(-1, groups, x.shape[-1] // groups)
-            s = t.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+            amax = t.abs().amax(-1, keepdim=True)
+            s = amax.clamp(min=1e-10) / 448.0 if min_scale is None else (amax / 448.0).clamp(min=min_scale)
             y = (t / s).clamp(-448.0, 448.0)
             q = y.to(torch.float8_e4m3fn).to(torch.float32)
             theirs = torch.from_numpy(kq).reshape(q.shape)
@@ -125,8 +128,8 @@ def _ordinal(v: torch.Tensor) -> torch.Tensor:
     return torch.where(code >= 128, -(code - 128), code)
 
 
-def _oracle_logits(model, prompt, acts, stats):
-    handles = _told_oracle(model, acts, stats)
+def _oracle_logits(model, prompt, acts, stats, min_scale: float | None = None):
+    handles = _told_oracle(model, acts, stats, min_scale)
     try:
         with torch.no_grad():
             return model(torch.tensor([prompt])).logits[0].numpy()

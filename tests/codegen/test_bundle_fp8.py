@@ -108,3 +108,27 @@ def test_every_bucket_of_an_fp8_hybrid_compiles(target):
     assert not any(w[0] == "fp8e4m3" for name, w in weights.items() if "in_proj_a" in name or "in_proj_b" in name)
     print(f"Qwen3_5ForCausalLM FP8 {target}: {len(b.kernels)} cubins, "
           f"{sum(1 for k in meta.values() if k['name'] == 'fp8_gemm_kernel')} of them fp8_gemm_kernel")
+
+
+def test_build_compile_online_fp8(tmp_path, capsys, monkeypatch):
+    """`build.py compile --quantization fp8` on a bf16 checkpoint (online FP8: per-tensor e4m3 weights,
+    per-token activations) compiles the FP8 path: every decoder linear an fp8_gemm_kernel launch."""
+    import torch
+
+    from kiln.build import main as build_main
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", "qwen3_qknorm", dtype=torch.bfloat16)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    rc = build_main(["compile", "--model", str(tmp_path / "model"), "--target", "sm_90", "--out",
+                     str(tmp_path / "out"), "--max-model-len", "128", "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "64", "--no-progress", "--quantization", "fp8"])
+    assert rc == 0, capsys.readouterr().err
+    from kiln.runtime.worker.bundle import Bundle
+
+    m = Bundle.read(tmp_path / "out").manifest
+    assert m["weights"]["model.layers.0.self_attn.q_proj.weight"][0] == "fp8e4m3"
+    assert m["weights"]["model.layers.0.self_attn.q_proj.weight_scale"][:2] == ["f32", [1]]
+    for p in m["plans"].values():
+        names = [m["kernels"][key]["name"] for key, _, _ in p["launches"]]
+        assert names.count("fp8_gemm_kernel") == 7 * 2, p["bucket"]
