@@ -49,6 +49,8 @@ FLAGS: list[tuple[str, dict]] = [
     ("--kv-cache-tokens", dict(type=int, help="KV cache size (default: 65536 on CPU, at most 4 GiB; free memory on a GPU)")),
     ("--kv-cache-dtype", dict(default="auto", choices=list(KV_CACHE_DTYPES),
                               help="as `build.py serve` (fp8: e4m3, scale 1.0)")),
+    ("--quantization", dict(help="as `build.py serve` (vLLM's names; fp8 on a bf16 checkpoint: online FP8; "
+                                 "default: the checkpoint's own)")),
     ("--peers", dict(nargs="+", choices=PEERS, default=[],
                      help="run these peers (bench/peers/hf_gpu.py, a subprocess) first, in the same run")),
     ("--peer-json", dict(nargs="+", default=[], metavar="FILE",

@@ -76,7 +76,8 @@ def start_server(a) -> tuple[subprocess.Popen, str, list[str]]:
     if a.async_scheduling is not None:
         cmd.append("--async-scheduling" if a.async_scheduling else "--no-async-scheduling")
     for flag, value in (("--model", a.model), ("--bundle", a.bundle), ("--kv-cache-tokens", a.kv_cache_tokens),
-                        ("--kv-cache-dtype", a.kv_cache_dtype)):
+                        ("--kv-cache-dtype", a.kv_cache_dtype),
+                        ("--quantization", getattr(a, "quantization", None))):
         if value is not None:
             cmd += [flag, str(value)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -113,7 +113,7 @@ def engine(a):
     llm = LLM(a.model, target=a.target, bundle_dir=a.bundle, max_model_len=a.max_model_len,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
               kv_cache_tokens=a.kv_cache_tokens, async_scheduling=a.async_scheduling,
-              kv_cache_dtype=a.kv_cache_dtype)
+              kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None))
     try:
         yield llm
     finally:
@@ -370,7 +370,7 @@ def run_bench(args: argparse.Namespace) -> int:
     record = {"workload": a.workload, "commit": git_commit(), "gpu": device_name(a.target),
               "metric": res.pop("metric"), "value": res.pop("value"), "roofline": res.pop("roofline", None),
               "peers": peers, "command": command_line(args), "model": a.model, "target": a.target,
-              "kv_cache_dtype": a.kv_cache_dtype,
+              "kv_cache_dtype": a.kv_cache_dtype, "quantization": getattr(a, "quantization", None),
               "sampling": ({"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}
                            if a.temperature and a.workload in ("decode", "throughput", "random-256") else "greedy"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
