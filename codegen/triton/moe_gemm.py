@@ -1,6 +1,6 @@
 """The MoE expert GEMMs: gate_up with SiLU-and-mul fused, down with the routing weight applied,
 and the top-k sum; each in a grouped form (rows sorted by expert, moe_align.py) and a decode
-form (one program per assignment, no sorting).
+form (one program per assignment and column block, no sorting).
 
     gate_up: a[r] = silu(bf16(x[t] @ w13[e, :I]^T)) * bf16(x[t] @ w13[e, I:]^T)   a: [T*k, I]
     down:    o[r] = bf16(w2[e] @ a[r])                                           o: [T*k, H]
@@ -28,8 +28,14 @@ blocks, computed by different programs in no fixed order, so a fused sum would n
 and their order would depend on the batch. The grouped down stores each expert's output o in
 the activation dtype (exact: the op rounds it there), and moe_sum_kernel weights and adds a
 token's k rows in rank order: half the bytes of f32 products through memory. The decode form of
-down owns all k rows of its token, so it does that sum itself, in the same order on the same
-rounded products: the same bits, one launch and the rows' round trip less.
+down does the same per assignment (SPLIT: a program per (column block, assignment), storing o),
+so that one token's k experts are k x H / BLOCK_N programs that fill the SMs at batch 1 (issue
+37); its other form (not SPLIT, the "decode_token" path) owns all k rows of its token and does
+the sum itself, in the same order on the same rounded products: the same bits, one launch and
+the rows' round trip less, but H / BLOCK_N programs a token walking its k experts in turn
+(latency-bound: 0.9 TB/s on the H200 at batch 1). moe_sum_kernel's SHARED form also does the
+shared expert's sigmoid_mul and the add to the routed output (lower.py _defer_moe_sum), so the
+split decode path adds no launch to a model with a shared expert.
 
 GGUF experts (QT >= 0, graph/moe_ops.py moe_experts_gguf): w13 and w2 are the experts' rows of
 GGUF blocks, u8 [E, 2I, RB] and [E, H, RB'] (RB bytes a row: graph/gguf_blocks.py), and each
