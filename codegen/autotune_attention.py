@@ -8,8 +8,8 @@ What the tuner sweeps: the schedule knobs only, per kind of bucket (configs.Atte
 ATTENTION_PREFILL_KNOBS for prefill and mixed buckets, and for decode buckets by size class
 (paged_attention_launch.decode_class) ATTENTION_DECODE_KNOBS (read whole), ATTENTION_SPLIT_KNOBS
 (split-KV) and ATTENTION_ONE_KNOBS (one sequence). tile and seg, the reduction knobs, keep the
-default's values (seg follows max_model_len). Rows per program, warps, stages and register caps
-only group rows (paged_attention.py), so every candidate must give the default's bits;
+default's values (seg follows max_model_len). Rows per program, warps, stages, register caps and
+V column parts only group rows (paged_attention.py), so every candidate must give the default's bits;
 Bench.best checks that it does. Each decode class is timed at one case, split or not as the
 bundle's plan is (lower.split_kv; split decode merges in the attention kernel, as in the plan):
 the bundle's largest decode bucket with 1,500 keys per sequence (when it is read whole), 32
@@ -234,31 +234,52 @@ def _halves_can_keep_bits(shape: AttentionShape, default: AttentionConfig) -> bo
     return default.tile_of_decode // 2 >= least
 
 
+def _wide(shape: AttentionShape) -> bool:
+    """A head wider than 128 (Qwen3.5/3.6: 256): the decode sweep moves up a warp count and down a
+    stage (ptxas, sm_90, 16-row decode programs at 256: 1 and 2 warps spill, 4 and 8 do not; a
+    64-key stage of K and V is 64 KB of shared memory, so 4 stages cannot fit) and sweeps the split
+    classes' V column parts (configs.wide_head)."""
+    return next_pow2(shape.d) > 128
+
+
+def _decode_grid(shape: AttentionShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """-> (warps, stages) a decode sweep tries."""
+    return ((2, 4, 8), (2, 3)) if _wide(shape) else ((1, 2, 4), (2, 3, 4))
+
+
 def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
     """The default first, then rows per program (the fewest query positions that fill tl.dot's
     16 rows, and twice that) x warps x stages, and the fewest rows x warps x stages in key halves,
     uncapped or under a 168-register cap; each schedule the kernel would see once."""
     bq0 = k_attn.attention_block_q(shape.h, shape.hkv, replace(default, block_q=1), decode=True)
+    warps, stages = _decode_grid(shape)
     grid = [replace(default, block_q=bq, num_warps=w, num_stages=s)
-            for bq in (bq0, 2 * bq0) for w in (1, 2, 4) for s in (2, 3, 4)]
+            for bq in (bq0, 2 * bq0) for w in warps for s in stages]
     if _halves_can_keep_bits(shape, default):
         grid += [replace(default, block_q=bq0, num_warps=w, num_stages=s, key_halves=2, maxnreg=r)
-                 for w in (1, 2, 4) for s in (2, 3, 4) for r in (None, 168)]
+                 for w in warps for s in stages for r in (None, 168)]
     return _distinct(shape, [default] + grid, decode=True)
 
 
 def class_candidates(shape: AttentionShape, default: AttentionConfig, cls: str) -> list[AttentionConfig]:
     """A split or one-sequence decode class: the default first (its knobs unset: the decode
     ones), then warps x stages x register cap x key halves, each schedule once (block_q: the
-    default's)."""
+    default's); a wide head (_wide) x V column parts 1-8 as well (parts of >= 32 columns), under
+    no cap or 168 (at 128 the parted programs need no cap: ptxas gives them 128 registers)."""
     halves = (None, 2) if _halves_can_keep_bits(shape, default) else (None,)
+    warps, stages = _decode_grid(shape)
+    caps = (None, 168) if _wide(shape) else (None, 168, 128)
+    parts = tuple(p for p in (1, 2, 4, 8) if next_pow2(shape.d) // p >= 32) if _wide(shape) else (None,)
     grid = [replace(default, **{f"{cls}_num_warps": w, f"{cls}_num_stages": s, f"{cls}_maxnreg": r,
-                                f"{cls}_key_halves": kh})
-            for w in (1, 2, 4) for s in (2, 3, 4) for r in (None, 168, 128) for kh in halves]
+                                f"{cls}_key_halves": kh, f"{cls}_dv_parts": p})
+            for w in warps for s in stages for r in caps for kh in halves for p in parts]
+    if not _wide(shape):  # the default's parts (unset: 1)
+        grid = [replace(c, **{f"{cls}_dv_parts": getattr(default, f"{cls}_dv_parts")}) for c in grid]
     seen, out = set(), []
     for c in [default] + grid:
         n, split = 1 if cls == "one" else 2, cls == "split"
-        key = k_attn.decode_launch(c, n, split) + (k_attn.decode_halves(c, n, split),)
+        key = k_attn.decode_launch(c, n, split) + (k_attn.decode_halves(c, n, split),
+                                                   k_attn.decode_dv_parts(c, n, split))
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -275,10 +296,15 @@ def prefill_candidates(shape: AttentionShape, default: AttentionConfig) -> list[
     only programs on the default's side of 64 rows: its f16 dots round differently on mma.sync
     (< 64 rows) and wgmma (the known gap, the strict xfail in test_triton_gpu.py; H200: the
     32-row candidates changed the bits), so the others would fail the tuner's bits check."""
-    grid = [replace(default, prefill_block_q=bq, prefill_num_warps=w, prefill_num_stages=s)
-            for bq in (8, 16, 32) for w in (4, 8) for s in (2, 3)]
-    grid += [replace(default, prefill_num_warps=4, prefill_num_stages=s, prefill_maxnreg=r)
-             for s, r in ((1, None), (1, 168), (2, 168))]
+    if _wide(shape):  # (configs.wide_head: 64 rows on 8 warps; caps left out, ptxas may refuse them)
+        bq = default.prefill_block_q
+        grid = [replace(default, prefill_block_q=b, prefill_num_warps=w, prefill_num_stages=s)
+                for b in (max(1, bq // 2), bq, 2 * bq) for w in (4, 8) for s in (1, 2, 3)]
+    else:
+        grid = [replace(default, prefill_block_q=bq, prefill_num_warps=w, prefill_num_stages=s)
+                for bq in (8, 16, 32) for w in (4, 8) for s in (2, 3)]
+        grid += [replace(default, prefill_num_warps=4, prefill_num_stages=s, prefill_maxnreg=r)
+                 for s, r in ((1, None), (1, 168), (2, 168))]
     if shape.cache_dtype == "float8_e4m3fn":
         wgmma = lambda c: _rows(shape, c) >= 64  # noqa: E731
         grid = [c for c in grid if wgmma(c) == wgmma(default)]

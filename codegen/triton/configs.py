@@ -120,10 +120,15 @@ class AttentionConfig:
     split_num_stages: int | None = None
     split_maxnreg: int | None = None
     split_key_halves: int | None = None  # as key_halves (below), for this class alone
+    # The split and one-sequence classes' programs cut a KV head's V columns into this many parts
+    # side by side (paged_attention.py DV_PARTS: the same bits), None: 1. More programs for a short
+    # decode of few KV heads, fewer accumulators each (head_dim 256: see Configs.attention).
+    split_dv_parts: int | None = None
     one_num_warps: int | None = None
     one_num_stages: int | None = None
     one_maxnreg: int | None = None
     one_key_halves: int | None = None
+    one_dv_parts: int | None = None
     # Mixed buckets: their sequences of one query (the decode rows of a step that also runs a
     # prompt chunk) taken by a launch of the decode variant (16-row programs, the knobs of the
     # decode buckets read whole), the rest by the prefill variant (paged_attention_launch.
@@ -142,8 +147,8 @@ class AttentionConfig:
 # AttentionConfig's schedule knobs, by the kind of bucket they serve (the tuner sweeps these
 # and nothing else: tile, decode_tile and seg are its reduction knobs)
 ATTENTION_DECODE_KNOBS = ("block_q", "num_warps", "num_stages", "maxnreg", "key_halves")
-ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg", "split_key_halves")
-ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg", "one_key_halves")
+ATTENTION_SPLIT_KNOBS = ("split_num_warps", "split_num_stages", "split_maxnreg", "split_key_halves", "split_dv_parts")
+ATTENTION_ONE_KNOBS = ("one_num_warps", "one_num_stages", "one_maxnreg", "one_key_halves", "one_dv_parts")
 ATTENTION_PREFILL_KNOBS = ("prefill_block_q", "prefill_num_warps", "prefill_num_stages", "prefill_maxnreg")
 
 
@@ -236,11 +241,14 @@ class Configs:
             # at most 64 segments; fixed per bundle, so every bucket reduces the same way.
             seg = 1 << max(0, (-(-max_model_len // 64) - 1).bit_length())
             default = replace(default, seg=min(max(seg, default.tile), 512))
+        if d > 128:
+            default = replace(default, **wide_head(h, hkv, d))
         if attention_cache_key(cache_dtype) == "float8_e4m3fn":
             # see decode_tile; 1-warp programs and routed mixed buckets go with it (the
             # schedule knobs a tuned entry overrides: route_mixed must stay on, see the check in
             # paged_attention_launch)
-            default = replace(default, decode_tile=32, num_warps=1, route_mixed=True)
+            # (1 warp measured at head_dim 128; a wider head keeps wide_head's warps)
+            default = replace(default, decode_tile=32, route_mixed=True, **({"num_warps": 1} if d <= 128 else {}))
         return self._get("paged_attention", (h, hkv, d, attention_cache_key(cache_dtype), max_model_len), default)
 
     def row(self, op: str, width: int) -> RowConfig:
@@ -256,6 +264,27 @@ class Configs:
         from kiln.codegen.triton.moe_config import default_moe_config
 
         return self._get("moe_experts", (t, e, h, i, top_k, dtype, arch), default_moe_config(t, top_k, e, h, i, arch))
+
+
+def wide_head(h: int, hkv: int, d: int) -> dict[str, int]:
+    """The schedule knobs of a head wider than 128 (Qwen3.5/3.6: 256), where the defaults tuned
+    at 128 spill and launch too few programs (GPU_NOTES "Attention at head_dim 256";
+    ptxas, sm_90, 24 / 4 heads of 256, one sequence: 2 warps of 32-row programs 255 registers and
+    3.2 KB of spill stores a thread, 32 live programs at 512 keys). Here: 16-row programs (the fewest
+    query positions that fill tl.dot's rows: a decode program has one live), 4 warps (224
+    registers read whole, no spills), and the split classes' V columns in parts (DV_PARTS: the
+    same bits): 2 for the split buckets (162 registers), and for one sequence as many as bring
+    a KV head's parts to 16, so that 8 segments (512 keys at max_model_len 4,096) are 128
+    programs with 2-8 KV heads (128 registers), at least 32 columns a part. Prefill: 64-row programs
+    on 8 warps (255 registers, no spills; the default 16 query positions are 128 rows at a GQA group
+    of 8, which spilled 7.1 KB a thread on 4 warps, 64 rows on 4 warps 1.8 KB). All schedule knobs:
+    the bits are the head_dim-128 defaults' (tile 64, seg by max_model_len)."""
+    cols = 1 << max(0, (d - 1).bit_length())
+    group = 1 << max(0, (h // hkv - 1).bit_length())
+    one = max(1, min(16 // hkv, cols // 32))
+    return dict(block_q=1, num_warps=4, num_stages=2, split_num_warps=4, split_num_stages=2, split_dv_parts=2,
+                one_num_warps=4, one_num_stages=2, one_dv_parts=one, prefill_block_q=max(1, 64 // group),
+                prefill_num_warps=8, prefill_num_stages=2)
 
 
 def attention_cache_key(cache_dtype: str | None) -> str | None:

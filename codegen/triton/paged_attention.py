@@ -36,14 +36,23 @@ in one instruction per pair (cvt.rn.f16x2.e4m3x2; to bf16 takes three more), q r
 bf16 -> f16 exactly in f16's normal range (6.1e-5 <= |q| < 65504), P rounds to f16 (finer
 than bf16). H200, Llama-8B heads (bench/attn_sweep.py): 256 sequences x 1,500 keys 381 us
 with bf16 dots, 288 with f16 (a bf16 cache: 373); a 2,048-token prefill 222 / 181 (182.5).
+DV_PARTS (decode only; a schedule knob, paged_attention_launch.decode_dv_parts): the KV head's
+V columns cut into DV_PARTS programs side by side (grid axis 1: HKV * DV_PARTS, a KV head's parts
+neighbours in launch order, so its K comes from HBM once and from L2 for the others). Every part
+computes the same scores (q k^T over all of D: the same dot, the same bits) and row sums, and its
+[rows, D / DV_PARTS] share of P @ V; an output element's sum over the keys does not depend on the
+columns beside it (mma.sync tiles N in independent 8-column blocks), so the bits are the unparted
+kernel's. It multiplies a short decode's programs (head_dim 256, 2-4 KV heads: 8 segments at 512
+keys are 16-32 programs; GPU_NOTES) and divides the accumulators a program holds.
 SPLIT=False: one program folds all of its segments. SPLIT=True (decode, long
 contexts): program z computes segment z alone (folding it into the empty state, an
 exact identity) and stores (m, l, acc) in f32; `_merge` folds them in order with the
 same `_fold` and `_finalize`. Both give the same bits. The merge runs in
 attention_merge_kernel (a second launch), or with MERGE (decode only) in the attention
-kernel itself: each live segment's program, once its partial is stored, counts itself in
-on an i32 counter of its (sequence, KV head), and the one that counts last merges, then
-puts the counter back to 0 (see `_merge_if_last`).
+kernel itself: each live segment's program (each of its DV_PARTS), once its partial is stored,
+counts itself in on an i32 counter of its (sequence, KV head), and the one that counts last
+merges all of D, then puts the counter back to 0 (see `_merge_if_last`). With DV_PARTS, part 0
+alone stores a segment's (m, l); the others store their columns of acc.
 """
 from __future__ import annotations
 
@@ -95,23 +104,25 @@ def _interp_dot(a, b, acc):
 
 
 @triton.jit
-def _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-            D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr,
-            INTERPRET: tl.constexpr):
-    """One key tile: -> (s = q k^T [BLOCK_M, TILE], unscaled, -inf where not visible; v [TILE, BLOCK_D])."""
+def _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, dv0,
+            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+            MASKED: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key tile: -> (s = q k^T [BLOCK_M, TILE], unscaled, -inf where not visible; v [TILE, BLOCK_DV],
+    V's columns dv0 .. dv0 + BLOCK_DV: the program's part of the head (DV_PARTS))."""
     kpos = k0 + tl.arange(0, TILE)  # [TILE] absolute key positions
     d = tl.arange(0, BLOCK_D)
+    dv = dv0 + tl.arange(0, BLOCK_DV)
     if MASKED:
         in_seq = kpos < L
         blk = tl.load(bt_row + kpos // BS, mask=in_seq, other=0)
         kv = kv_base + blk.to(tl.int64) * stride_cb + (kpos % BS) * stride_cp  # [TILE]
         k = tl.load(kv[None, :] + d[:, None], mask=in_seq[None, :] & (d[:, None] < D), other=0.0)  # K^T
-        v = tl.load(kv[:, None] + stride_ckv + d[None, :], mask=in_seq[:, None] & (d[None, :] < D), other=0.0)
+        v = tl.load(kv[:, None] + stride_ckv + dv[None, :], mask=in_seq[:, None] & (dv[None, :] < D), other=0.0)
     else:  # the whole tile is inside the sequence
         blk = tl.load(bt_row + kpos // BS)
         kv = kv_base + blk.to(tl.int64) * stride_cb + (kpos % BS) * stride_cp
         k = tl.load(kv[None, :] + d[:, None], mask=d[:, None] < D, other=0.0)
-        v = tl.load(kv[:, None] + stride_ckv + d[None, :], mask=d[None, :] < D, other=0.0)
+        v = tl.load(kv[:, None] + stride_ckv + dv[None, :], mask=dv[None, :] < D, other=0.0)
     k = k.to(q.dtype)  # an e4m3 cache widens to f16 (exact); a no-op otherwise
     v = v.to(q.dtype)
     if INTERPRET:
@@ -200,9 +211,9 @@ def _step(s, v, s1, v1, ones, first, last, M, Ls, ACC, m_i, l_i, acc, qk_scale, 
 
 
 @triton.jit
-def _tiles(k_from, k_to, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-           qk_scale, ones, M, Ls, ACC, m_i, l_i, acc, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-           TILE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr, HALVES: tl.constexpr,
+def _tiles(k_from, k_to, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, dv0,
+           qk_scale, ones, M, Ls, ACC, m_i, l_i, acc, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+           BS: tl.constexpr, TILE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr, HALVES: tl.constexpr,
            INTERPRET: tl.constexpr):
     """The tiles k0 = k_from, k_from + TILE, ... < k_to of the range [lo, hi), one software-pipelined loop.
     HALVES == 2: each tile's K and V loaded and multiplied as two halves of TILE // 2 keys (half
@@ -210,11 +221,11 @@ def _tiles(k_from, k_to, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stri
     ONE: tl.constexpr = SEG == TILE
     HALF: tl.constexpr = TILE // HALVES
     for k0 in range(k_from, k_to, TILE):
-        s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window,
-                       D, BLOCK_D, BS, HALF, MASKED, INTERPRET)
+        s, v = _scores(q, pos, valid, k0, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, dv0,
+                       D, BLOCK_D, BLOCK_DV, BS, HALF, MASKED, INTERPRET)
         if HALVES == 2:
             s1, v1 = _scores(q, pos, valid, k0 + HALF, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L,
-                             window, D, BLOCK_D, BS, HALF, MASKED, INTERPRET)
+                             window, dv0, D, BLOCK_D, BLOCK_DV, BS, HALF, MASKED, INTERPRET)
         else:
             s1, v1 = s, v
         M, Ls, ACC, m_i, l_i, acc = _step(s, v, s1, v1, ones, (k0 == lo) | (k0 % SEG == 0),
@@ -224,28 +235,29 @@ def _tiles(k_from, k_to, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stri
 
 
 @triton.jit
-def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
-            D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-            SEG: tl.constexpr, HALVES: tl.constexpr, INTERPRET: tl.constexpr):
+def _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, dv0,
+            qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr,
+            BLOCK_M: tl.constexpr, TILE: tl.constexpr, SEG: tl.constexpr, HALVES: tl.constexpr,
+            INTERPRET: tl.constexpr):
     """Tiles k0 = lo, lo + TILE, ... < hi (lo a multiple of TILE), segment by segment, from the
-    empty state -> (M, Ls, ACC). Tiles below full_hi need no mask."""
+    empty state -> (M, Ls, ACC [BLOCK_M, BLOCK_DV]: V's columns from dv0). Tiles below full_hi need no mask."""
     M = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     Ls = tl.zeros((BLOCK_M,), tl.float32)
-    ACC = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    ACC = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     if INTERPRET:  # unused there (the interpreter has no bf16 constants)
         ones = tl.full((TILE // HALVES, 16), 1.0, tl.float32)
     else:
         ones = tl.full((TILE // HALVES, 16), 1.0, q.dtype)
     mid = tl.maximum(tl.minimum(full_hi, hi), lo)
     M, Ls, ACC, m_i, l_i, acc = _tiles(lo, mid, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv,
-                                       stride_cp, L, window, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
-                                       D, BLOCK_D, BS, TILE, SEG, False, HALVES, INTERPRET)
+                                       stride_cp, L, window, dv0, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
+                                       D, BLOCK_D, BLOCK_DV, BS, TILE, SEG, False, HALVES, INTERPRET)
     M, Ls, ACC, m_i, l_i, acc = _tiles(mid, hi, lo, hi, q, pos, valid, bt_row, kv_base, stride_cb, stride_ckv,
-                                       stride_cp, L, window, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
-                                       D, BLOCK_D, BS, TILE, SEG, True, HALVES, INTERPRET)
+                                       stride_cp, L, window, dv0, qk_scale, ones, M, Ls, ACC, m_i, l_i, acc,
+                                       D, BLOCK_D, BLOCK_DV, BS, TILE, SEG, True, HALVES, INTERPRET)
     return M, Ls, ACC
 
 
@@ -257,11 +269,15 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
                            BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
                            SEG: tl.constexpr, MAX_SEGS: tl.constexpr, SPLIT: tl.constexpr, DECODE: tl.constexpr,
                            INTERPRET: tl.constexpr, MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
-                           ROUTE: tl.constexpr = False, HALVES: tl.constexpr = 1):
-    # grid: (q-block bound, or S for DECODE, HKV, MAX_SEGS if SPLIT else 1)
+                           ROUTE: tl.constexpr = False, HALVES: tl.constexpr = 1, DV_PARTS: tl.constexpr = 1):
+    # grid: (q-block bound, or S for DECODE, HKV * DV_PARTS, MAX_SEGS if SPLIT else 1)
+    # DV_PARTS (DECODE): program (kvh, part) computes V's columns [part, part + 1) * BLOCK_D / DV_PARTS
+    # of its heads (every part the whole scores: the same bits in each; see the module docstring)
     # ROUTE: one of a mixed bucket's two launches (DECODE: its sequences of one query; else the rest)
     # cnt_ptr (MERGE): i32[S, HKV], all 0 when the launch starts and when it ends
     pid, kvh, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part = kvh % DV_PARTS  # the parts of a KV head are neighbours in launch order (they share its K in L2)
+    kvh = kvh // DV_PARTS
     if DECODE:  # one query per sequence: program pid serves sequence pid, no search; its offsets
         s = pid  # and length are step inputs, read before the wait (pdl.py)
         q0 = pdl_step_input(qsl_ptr + s, PDL)
@@ -297,6 +313,8 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
         return
     G: tl.constexpr = H // HKV
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    BLOCK_DV: tl.constexpr = BLOCK_D // DV_PARTS
+    dv0 = part * BLOCK_DV
     rows = tl.arange(0, BLOCK_M)
     g = rows % G_PAD
     pos = blk * BLOCK_Q + rows // G_PAD  # [BLOCK_M] query position of each row
@@ -322,21 +340,24 @@ def paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cb, st
         if (z < z_lo) | (z > z_hi):  # no keys in segment z: nothing stored, not counted (MERGE)
             return
         M, Ls, ACC = _attend(q, pos, valid, tl.maximum(lo, z * SEG), tl.minimum(hi, (z + 1) * SEG), full_hi,
-                             bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, qk_scale,
-                             D, BLOCK_D, BS, BLOCK_M, TILE, SEG, HALVES, INTERPRET)
+                             bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L, window, dv0, qk_scale,
+                             D, BLOCK_D, BLOCK_DV, BS, BLOCK_M, TILE, SEG, HALVES, INTERPRET)
         ws = (tok * MAX_SEGS + z) * H + head  # ws_ml: f32[T, MAX_SEGS, H, 2], ws_acc: f32[T, MAX_SEGS, H, D]
-        tl.store(ws_ml_ptr + ws * 2, M, mask=valid)
-        tl.store(ws_ml_ptr + ws * 2 + 1, Ls, mask=valid)
-        tl.store(ws_acc_ptr + ws[:, None] * D + d[None, :], ACC, mask=qmask)
+        tl.store(ws_ml_ptr + ws * 2, M, mask=valid & (part == 0))  # every part has the same (m, l)
+        tl.store(ws_ml_ptr + ws * 2 + 1, Ls, mask=valid & (part == 0))
+        dv = dv0 + tl.arange(0, BLOCK_DV)
+        tl.store(ws_acc_ptr + ws[:, None] * D + dv[None, :], ACC, mask=valid[:, None] & (dv[None, :] < D))
         if MERGE:  # DECODE: the one query is at position c = L - 1, token q0 (tok of the valid rows)
-            _merge_if_last(cnt_ptr + s * HKV + kvh, z_lo, z_hi, ws_acc_ptr, ws_ml_ptr, q0.to(tl.int64), kvh,
-                           out_ptr, stride_ot, stride_oh, H, HKV, D, BLOCK_D, G_PAD, MAX_SEGS)
+            _merge_if_last(cnt_ptr + s * HKV + kvh, (z_hi - z_lo + 1) * DV_PARTS, ws_acc_ptr, ws_ml_ptr, z_lo,
+                           z_hi, q0.to(tl.int64), kvh, out_ptr, stride_ot, stride_oh, H, HKV, D, BLOCK_D, G_PAD,
+                           MAX_SEGS)
     else:
         M, Ls, ACC = _attend(q, pos, valid, lo, hi, full_hi, bt_row, kv_base, stride_cb, stride_ckv, stride_cp, L,
-                             window, qk_scale, D, BLOCK_D, BS, BLOCK_M, TILE, SEG, HALVES, INTERPRET)
+                             window, dv0, qk_scale, D, BLOCK_D, BLOCK_DV, BS, BLOCK_M, TILE, SEG, HALVES, INTERPRET)
         o = _finalize(Ls, ACC)
-        dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=qmask)
+        dv = dv0 + tl.arange(0, BLOCK_DV)
+        dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (dv[None, :] < D))
 
 
 MERGE_CHUNK = tl.constexpr(16)  # segments a merge unrolls (loads in flight together)
@@ -373,12 +394,12 @@ def _merge(ws_acc_ptr, ws_ml_ptr, t, h, hmask, z_lo, z_hi, ROWS: tl.constexpr, H
 
 
 @triton.jit
-def _merge_if_last(cnt_ptr, z_lo, z_hi, ws_acc_ptr, ws_ml_ptr, tok, kvh, out_ptr, stride_ot, stride_oh,
+def _merge_if_last(cnt_ptr, n_programs, ws_acc_ptr, ws_ml_ptr, z_lo, z_hi, tok, kvh, out_ptr, stride_ot, stride_oh,
                    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    G_PAD: tl.constexpr, MAX_SEGS: tl.constexpr):
-    """The programs of segments z_lo..z_hi of one (sequence, KV head) count themselves in on
-    *cnt_ptr after storing their partials; the last of the z_hi - z_lo + 1 merges the group's
-    heads of token tok into out and puts the counter back to 0 for the next launch.
+    """The n_programs programs of one (sequence, KV head) (segments z_lo..z_hi, each in DV_PARTS
+    column parts) count themselves in on *cnt_ptr after storing their partials; the last merges
+    the group's heads of token tok (all of D) into out and puts the counter back to 0 for the next launch.
     Ordering: the barrier puts every thread's partial stores before thread 0's atomic (Triton
     issues a scalar atomic from one thread and hands its result to all through shared memory),
     whose release publishes them at GPU scope; the last program's acquire (then the CTA
@@ -386,7 +407,7 @@ def _merge_if_last(cnt_ptr, z_lo, z_hi, ws_acc_ptr, ws_ml_ptr, tok, kvh, out_ptr
     loads bypass L1 (.cg)."""
     tl.debug_barrier()
     old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == z_hi - z_lo:
+    if old == n_programs - 1:
         G: tl.constexpr = H // HKV
         g = tl.arange(0, G_PAD)
         h = kvh * G + g

@@ -8,7 +8,8 @@ tables are read from device memory):
           (n_s + 2 BLOCK_Q - 2) // BLOCK_Q of them (its queries may straddle one
           more absolutely aligned q block than cdiv(n_s, BLOCK_Q)), and start(s+1) -
           start(s) is at least that. Programs past a sequence's blocks return.
-  axis 1: Hkv (each program serves the H / Hkv query heads of one KV head: GQA rows)
+  axis 1: Hkv (each program serves the H / Hkv query heads of one KV head: GQA rows), times a
+          decode bucket's column parts (decode_dv_parts: each part V's D / parts columns)
   axis 2: MAX_SEGS = cdiv(max_model_len, SEG) when split, else 1.
 Split needs f32 workspaces ws_acc [T, MAX_SEGS, H, D] and ws_ml [T, MAX_SEGS, H, 2]. A
 decode batch merges the segments in the attention kernel (MERGE): that needs an i32
@@ -58,6 +59,13 @@ def decode_halves(config: AttentionConfig, num_seqs: int, split: bool) -> int:
     return getattr(config, "key_halves" if cls == "decode" else f"{cls}_key_halves") or 1
 
 
+def decode_dv_parts(config: AttentionConfig, num_seqs: int, split: bool) -> int:
+    """V column parts of a decode bucket's programs (paged_attention.py DV_PARTS): its class's knob
+    (`split_dv_parts`, `one_dv_parts`), 1 where unset and for the buckets read whole."""
+    cls = decode_class(num_seqs, split)
+    return 1 if cls == "decode" else getattr(config, f"{cls}_dv_parts") or 1
+
+
 def merges_in_kernel(split: bool, decode: bool, fuse_merge: bool = True) -> bool:
     """Whether the attention kernel merges its split-KV segments itself (no merge launch)."""
     return split and decode and fuse_merge
@@ -89,7 +97,7 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
         kw = dict(split=False, max_model_len=max_model_len, dtype=dtype, out_dtype=out_dtype,
                   config=replace(config, route_mixed=False), cache_dtype=cache_dtype)
         one = paged_attention_specs(num_seqs, h, hkv, d, bs, num_seqs, decode=True, **kw)[0]
-        one = replace(one, constexprs={**one.constexprs, "ROUTE": True}, grid=(max(1, num_seqs), hkv, 1))
+        one = replace(one, constexprs={**one.constexprs, "ROUTE": True}, grid=(max(1, num_seqs), one.grid[1], 1))
         rest = paged_attention_specs(t, h, hkv, d, bs, num_seqs, **{**kw, "config": replace(config, decode_tile=None,
                                                                                          route_mixed=False)})[0]
         return [one, replace(rest, constexprs={**rest.constexprs, "ROUTE": True})]
@@ -103,6 +111,9 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
     check(halves in (1, 2) and tile // halves >= 16,
           f"paged_attention: key_halves {halves} of a {tile}-key tile (1 or 2 halves of >= 16 keys)")
     bq = attention_block_q(h, hkv, config, decode)
+    parts = decode_dv_parts(config, num_seqs, split) if decode else 1
+    check(parts == next_pow2(parts) and next_pow2(d) // parts >= 16,
+          f"paged_attention: dv_parts {parts} of {next_pow2(d)} columns (a power of 2, parts of >= 16 columns)")
     fused = merges_in_kernel(split, decode, fuse_merge)
     max_segs = cdiv(max_model_len, config.seg) if split else 1
     warps, stages, maxnreg = (decode_launch(config, num_seqs, split) if decode
@@ -118,8 +129,9 @@ def paged_attention_specs(t: int, h: int, hkv: int, d: int, bs: int, num_seqs: i
                        qk_scale="fp32", window="i32"),
         constexprs=dict(H=h, HKV=hkv, D=d, BLOCK_D=next_pow2(d), BS=bs, G_PAD=next_pow2(h // hkv), BLOCK_Q=bq,
                         TILE=tile, SEG=config.seg, MAX_SEGS=max_segs, SPLIT=split, DECODE=decode,
-                        INTERPRET=False, MERGE=fused, **({"HALVES": halves} if halves > 1 else {})),
-        grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv, max_segs),
+                        INTERPRET=False, MERGE=fused, **({"HALVES": halves} if halves > 1 else {}),
+                        **({"DV_PARTS": parts} if parts > 1 else {})),
+        grid=(max(1, num_seqs if decode else (t + num_seqs * (2 * bq - 2)) // bq), hkv * parts, max_segs),
         num_warps=warps, num_stages=stages, maxnreg=maxnreg,
         divisible=("q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "ws_acc_ptr", "ws_ml_ptr"))
     if not split or fused:

@@ -69,6 +69,9 @@ def all_specs():
     # a split decode merges in the attention kernel (atomic counter, L1-bypassing loads)
     specs += paged_attention_specs(S, H, HKV, D, BS, S, split=True, max_model_len=8192, config=AttentionConfig(),
                                    decode=True)
+    # one sequence at heads of 256 (Qwen3.6-27B's 24 / 4): V columns in parts (configs.wide_head)
+    specs += paged_attention_specs(1, 24, 4, 256, BS, 1, split=True, max_model_len=8192, decode=True,
+                                   config=c.attention(24, 4, 256, 8192))
     specs.append(gather_rows_spec(T, HID, config=c.elementwise("embedding", HID)))
     specs.append(argmax_spec(S, V, config=c.elementwise("argmax", V)))
     return specs

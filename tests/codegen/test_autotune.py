@@ -23,8 +23,8 @@ from kiln.codegen.triton.aot import cache_key
 from kiln.codegen.triton.configs import (ATTENTION_DECODE_KNOBS, ATTENTION_PREFILL_KNOBS, DEFAULT, Configs,
                                          GemmReduction, GemmTile)
 from kiln.codegen.triton.launch import cdiv
-from kiln.codegen.triton.paged_attention_launch import (attention_block_q, decode_halves, decode_launch,
-                                                            paged_attention_specs)
+from kiln.codegen.triton.paged_attention_launch import (attention_block_q, decode_dv_parts, decode_halves,
+                                                            decode_launch, paged_attention_specs)
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
@@ -313,7 +313,7 @@ def test_the_gemm_rig_leaves_split_k_partials_to_the_norm_at_decode_rows():
 
 
 # -- paged attention ----------------------------------------------------------------------
-SHAPES = [(32, 8, 128), (4, 2, 16), (64, 8, 128), (16, 16, 64)]
+SHAPES = [(32, 8, 128), (4, 2, 16), (64, 8, 128), (16, 16, 64), (24, 4, 256), (16, 2, 256)]
 
 
 @pytest.mark.parametrize("h,hkv,d", SHAPES)
@@ -346,19 +346,25 @@ def test_an_e4m3_cache_sweeps_its_decode_tile_whole():
     assert any(c.key_halves == 2 for c in decode_candidates(bf16, DEFAULT.attention(32, 8, 128, 4096)))
 
 
+@pytest.mark.parametrize("heads", [(32, 8, 128), (24, 4, 256)], ids=["d128", "d256"])
 @pytest.mark.parametrize("cls", ["split", "one"])
-def test_decode_class_candidates_touch_only_their_class_knobs(cls):
-    shape = AttentionShape(32, 8, 128, 16, 4096)
-    default = DEFAULT.attention(32, 8, 128, 4096)
+def test_decode_class_candidates_touch_only_their_class_knobs(cls, heads):
+    """Each class's own knobs only, each schedule once; at heads of 256 the V column parts too (1-8), on
+    2-8 warps (ptxas: 1 warp spills there)."""
+    shape = AttentionShape(*heads, 16, 4096)
+    default = DEFAULT.attention(*heads, 4096)
     cands = class_candidates(shape, default, cls)
     assert cands[0] == default and len(cands) > 4
     seqs, split = (1, True) if cls == "one" else (32, True)
-    launches = [decode_launch(c, seqs, split) + (decode_halves(c, seqs, split),) for c in cands]
+    launches = [decode_launch(c, seqs, split) + (decode_halves(c, seqs, split), decode_dv_parts(c, seqs, split))
+                for c in cands]
     assert len(set(launches)) == len(cands)  # no schedule timed twice
-    assert {h for *_, h in launches} == {1, 2}  # whole tiles and key halves
+    assert {h for *_, h, _ in launches} == {1, 2}  # whole tiles and key halves
+    assert {p for *_, p in launches} == ({1, 2, 4, 8} if heads[2] == 256 else {1})
+    assert {w for w, *_ in launches} == ({2, 4, 8} if heads[2] == 256 else {1, 2, 4})
     for c in cands:
         assert {f for f, v in dataclasses.asdict(c).items() if v != getattr(default, f)} <= {
-            f"{cls}_num_warps", f"{cls}_num_stages", f"{cls}_maxnreg", f"{cls}_key_halves"}
+            f"{cls}_num_warps", f"{cls}_num_stages", f"{cls}_maxnreg", f"{cls}_key_halves", f"{cls}_dv_parts"}
         # the other classes launch as the default does
         assert decode_launch(c, 256, False) == decode_launch(default, 256, False)
         assert decode_halves(c, 256, False) == 1

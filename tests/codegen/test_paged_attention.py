@@ -9,7 +9,7 @@ import functools
 import numpy as np
 import pytest
 
-from kiln.codegen.triton.configs import AttentionConfig
+from kiln.codegen.triton.configs import DEFAULT, AttentionConfig
 from kiln.codegen.triton.paged_attention_launch import paged_attention, paged_attention_specs
 from kiln.graph import ops
 from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, require_interpreter, same_bits
@@ -291,3 +291,74 @@ def test_merge_in_kernel_gives_the_merge_launch_bits(rng, cache_dtype, window):
     ref = ops.paged_attention(q[:len(lens)], cache, bt[:len(lens)], sl[:len(lens)], qsl[:len(lens) + 1],
                               scale=d ** -0.5, sliding_window=window)
     assert_close(outs[True][:len(lens)], ref, what="fused split decode, bf16 out")
+
+
+@pytest.mark.parametrize("h,hkv", [(24, 4), (16, 2)], ids=["gqa6", "gqa8"])  # Qwen3.6-27B's and 35B-A3B's heads
+def test_head_dim_256_decode_in_column_parts(h, hkv):
+    """Heads of 256 (configs.wide_head: 16-row decode programs, 4 warps, a KV head's V columns in
+    DV_PARTS programs): one sequence and a split batch at 16-token blocks, every length ending in a
+    partial block, against the reference; column splits of 1 to 8 parts, seg == tile (the default)
+    and seg > tile, the merge in the kernel or as a launch, one sequence and a bucket read whole
+    all give the prefill kernel's bits."""
+    d, bs, mb = 256, 16, 32  # max_model_len 512: seg 64 == tile (8 segments, as 4,096 gives)
+    rng = np.random.default_rng(25_600 + h)  # inputs of this test's own
+    lens = [509, 1, 77, 300]  # 31 blocks and 13 keys; under one block; 4 + 13; 18 + 12
+    nb = sum(-(-n // bs) for n in lens) + 8
+    cache = rand(rng, (nb, 2, bs, hkv, d))
+    perm = rng.permutation(nb)
+    bt = np.zeros((len(lens), mb), np.int32)
+    at = 0
+    for i, n in enumerate(lens):  # each sequence on its own scattered blocks
+        blocks = -(-n // bs)
+        bt[i, :blocks] = perm[at:at + blocks]
+        at += blocks
+    sl = np.array(lens, np.int32)
+    qsl = np.arange(len(lens) + 1, dtype=np.int32)
+    q = rand(rng, (len(lens), h, d))
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5)
+    # prefill programs of 16 rows: the interpreter's dot model of 64 (the default: 128 rows here) would
+    # exceed its tensor limit; rows per program do not change the bits (test_rows_per_program...)
+    cfg = dataclasses.replace(DEFAULT.attention(h, hkv, d, mb * bs), prefill_block_q=2)
+    assert (cfg.tile, cfg.seg) == (64, 64)
+    prefill = run(q, cache, bt, sl, qsl, config=cfg)  # the prefill kernel: every sequence a 1-query chunk
+    assert_close(prefill, ref, what="head_dim 256, prefill kernel")
+    for seg, split_parts in ((64, (1, 2, 8)), (128, (1, 4))):
+        c = dataclasses.replace(cfg, seg=seg)
+        want = prefill if seg == 64 else run(q, cache, bt, sl, qsl, config=c)
+        assert_close(want, ref, what=f"head_dim 256, seg {seg}")
+        for parts in split_parts:
+            pc = dataclasses.replace(c, one_dv_parts=parts, split_dv_parts=parts)
+            specs = paged_attention_specs(len(lens), h, hkv, d, bs, len(lens), split=True, max_model_len=mb * bs,
+                                          config=pc, decode=True)
+            assert specs[0].grid[1] == hkv * parts
+            for fuse in (True, False) if parts == 2 else (True,):
+                got = run(q, cache, bt, sl, qsl, config=pc, decode=True, split=True, fuse_merge=fuse)
+                assert same_bits(got, want), f"seg {seg}, {parts} parts, fused merge {fuse}: other bits"
+        for split in (True, False):  # one sequence: its own size class (the default's parts), split or not
+            one = run(np.ascontiguousarray(q[:1]), cache, bt[:1], sl[:1], np.array([0, 1], np.int32), config=c,
+                      decode=True, split=split)
+            assert same_bits(one[0], want[0]), f"seg {seg}: one sequence of {lens[0]} keys (split={split}), other bits"
+        whole = run(q, cache, bt, sl, qsl, config=c, decode=True, split=False)  # a bucket read whole
+        assert same_bits(whole, want), f"seg {seg}: the decode kernel read whole differs"
+    assert_close(run(q, cache, bt, sl, qsl, f32_out=False, config=cfg, decode=True, split=True), ref,
+                 what="head_dim 256, split decode, bf16 out")
+    with pytest.raises(ValueError, match="dv_parts"):
+        run(q, cache, bt, sl, qsl, config=dataclasses.replace(cfg, split_dv_parts=3), decode=True, split=True)
+
+
+def test_head_dim_256_defaults_fill_a_short_decode():
+    """The defaults at heads of 256 (configs.wide_head): 16-row decode programs, and one
+    sequence at 512 keys (8 segments at max_model_len 4,096) launching 128 live programs for 2 or 4
+    KV heads, where the head_dim-128 defaults launched 16-32 programs of 32 rows. Heads of 128 keep
+    the defaults their schedules were tuned from."""
+    from kiln.codegen.triton.paged_attention_launch import decode_dv_parts
+
+    for h, hkv in ((24, 4), (16, 2)):
+        cfg = DEFAULT.attention(h, hkv, 256, 4096)
+        spec = paged_attention_specs(1, h, hkv, 256, 16, 1, split=True, max_model_len=4096, config=cfg,
+                                     decode=True)[0]
+        c = spec.constexprs
+        assert c["BLOCK_Q"] * c["G_PAD"] == 16 and spec.num_warps == 4
+        assert spec.grid[1] * (512 // c["SEG"]) == 128 and c["DV_PARTS"] == decode_dv_parts(cfg, 1, True)
+        assert 256 // c["DV_PARTS"] >= 32
+    assert DEFAULT.attention(32, 8, 128, 4096) == dataclasses.replace(AttentionConfig(), seg=64)

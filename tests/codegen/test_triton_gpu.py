@@ -389,6 +389,44 @@ def test_e4m3_decode_tile_gives_every_decode_row_one_set_of_bits_on_gpu():
                 f"{n_seqs} sequences, split={split}, knobs {knobs.index(k)}: other bits"
 
 
+@pytest.mark.parametrize("h,hkv", [(24, 4), (16, 2)], ids=["gqa6", "gqa8"])  # Qwen3.6-27B's, 35B-A3B's heads
+def test_head_dim_256_attention_gives_one_set_of_bits_on_gpu(h, hkv):
+    """Heads of 256 under their defaults (configs.wide_head: 16-row decode programs on 4 warps, V
+    column parts, 64-row prefill programs on 8 warps): a token's output has the prefill kernel's bits
+    as a decode step (one sequence or five, split or read whole), under V column parts of 1 to 8
+    (paged_attention.py DV_PARTS: the tensor core sums each output column alone) and under other rows,
+    warps and stages; close to the reference."""
+    rng = np.random.default_rng(256 + h)
+    d, bs, nb, mb, n = 256, 16, 160, 48, 700
+    seqs = [(90, 17), (n, n), (403, 1)]  # 700 and 403 end in partial blocks
+    cache = rand(rng, (nb, 2, bs, hkv, d))
+    perm = rng.permutation(nb)
+    bt = np.stack([perm[:mb], perm[mb:2 * mb], perm[2 * mb:3 * mb]]).astype(np.int32)
+    sl = np.array([L for L, _ in seqs], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([c for _, c in seqs])]).astype(np.int32)
+    q = rand(rng, (int(qsl[-1]), h, d))
+    cfg = DEFAULT.attention(h, hkv, d, mb * bs)
+    full = attention(q, cache, bt, sl, qsl, False, cfg)
+    assert_close(full, ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5).astype(np.float32))
+    last = int(qsl[1]) + n - 1
+    many = np.array([last] * 5)
+    for parts in (None, 1, 2, 4, 8):  # None: the defaults' parts
+        c = cfg if parts is None else dataclasses.replace(cfg, one_dv_parts=parts, split_dv_parts=parts)
+        for n_seqs, split in ((1, True), (1, False), (5, True), (5, False)):
+            dec = attention(np.ascontiguousarray(q[many[:n_seqs]]), cache, np.repeat(bt[1:2], n_seqs, 0),
+                            np.repeat(sl[1:2], n_seqs), np.arange(n_seqs + 1, dtype=np.int32), split, c, True)
+            assert all(same_bits(dec[i], full[last]) for i in range(n_seqs)), \
+                f"{parts} parts, {n_seqs} sequences, split={split}: other bits than the prefill kernel's"
+    other = dataclasses.replace(cfg, block_q=2, num_warps=8, num_stages=3, one_num_warps=8, one_maxnreg=168,
+                                split_num_warps=2, split_key_halves=2, prefill_block_q=4, prefill_num_warps=4,
+                                prefill_num_stages=1)
+    assert same_bits(attention(q, cache, bt, sl, qsl, False, other), full), "prefill rows/warps changed the bits"
+    for n_seqs in (1, 5):
+        dec = attention(np.ascontiguousarray(q[many[:n_seqs]]), cache, np.repeat(bt[1:2], n_seqs, 0),
+                        np.repeat(sl[1:2], n_seqs), np.arange(n_seqs + 1, dtype=np.int32), True, other, True)
+        assert all(same_bits(dec[i], full[last]) for i in range(n_seqs)), f"{n_seqs} sequences: other knobs' bits"
+
+
 @pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
 def test_attention_merge_in_kernel_gives_the_merge_launch_bits_on_gpu(cache_dtype):
     """A split decode merged in the attention kernel (the last segment program of each
