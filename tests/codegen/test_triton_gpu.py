@@ -417,7 +417,7 @@ def test_head_dim_256_attention_gives_one_set_of_bits_on_gpu(h, hkv):
                             np.repeat(sl[1:2], n_seqs), np.arange(n_seqs + 1, dtype=np.int32), split, c, True)
             assert all(same_bits(dec[i], full[last]) for i in range(n_seqs)), \
                 f"{parts} parts, {n_seqs} sequences, split={split}: other bits than the prefill kernel's"
-    other = dataclasses.replace(cfg, block_q=2, num_warps=8, num_stages=3, one_num_warps=8, one_maxnreg=168,
+    other = dataclasses.replace(cfg, block_q=4, num_warps=8, num_stages=3, one_num_warps=8, one_maxnreg=168,
                                 split_num_warps=2, split_key_halves=2, prefill_block_q=4, prefill_num_warps=4,
                                 prefill_num_stages=1)
     assert same_bits(attention(q, cache, bt, sl, qsl, False, other), full), "prefill rows/warps changed the bits"
