@@ -58,31 +58,56 @@ def cpu_act_quant() -> str:
 class ThreadChooser:
     """How many threads decode steps use when KILN_CPU_THREADS does not say: all cores, unless one
     thread has been faster lately. On the 2-core machine with other work on it, every parallel
-    loop waited for a core another process held: decode at 2 threads fell to 0.95-3 tok/s where
-    one thread gave 11 (load average 5-8); on free cores two threads should win (the GEMVs split
-    by rows; not measured idle yet: no idle window in the session that wrote this). So one decode step in
-    `probe_every` runs with the other count, and the count whose recent time per token is lower
-    (an exponential average) runs the rest."""
+    loop waited for a core another process held: at load average ~11 a SmolLM2 decode step took
+    1.7 s on two threads and 62 ms on one (2026-12-07, issue 43; every GEMV is parallel), while on
+    quiet cores two threads win (the sum of the kernels' minimum times 13.9 -> 8.1 ms). So now and
+    then a step runs with the other count, and the count whose recent time per token is lower runs
+    the rest: a probe that loses doubles the gap to the next one (probe_every, 2x, ... up to
+    max_gap steps: a 27x slower probe every 16 steps had made decode 3x slower than one thread),
+    a probe that wins makes its count the one that runs. The running count's time is an
+    exponential average; a probe's is its own measurement (the last one, minutes old, says
+    little). While the 1-minute load average is above the core count (other processes want every
+    core), all cores are neither started with nor probed: one such probe cost as much as 20 steps
+    on one thread, at load average 10.6 four of them took a third of a 128-token decode."""
 
-    def __init__(self, cores: int, probe_every: int = 16) -> None:
-        self.cores, self.probe_every = cores, probe_every
+    def __init__(self, cores: int, probe_every: int = 16, max_gap: int = 512,
+                 load: Callable[[], float] = lambda: os.getloadavg()[0]) -> None:
+        self.cores, self.probe_every, self.max_gap, self.load = cores, probe_every, max_gap, load
         self.ema: dict[int, float] = {}
         self.best = cores
         self.steps = 0
+        self.gap = probe_every
+        self.next_probe = probe_every
+        self.probing = False
+
+    def _busy(self) -> bool:
+        return self.load() > self.cores
 
     def pick(self) -> int:
         if self.cores == 1:
             return 1
         self.steps += 1
+        if self.steps == 1 and self._busy():
+            self.best = 1
         other = 1 if self.best == self.cores else self.cores
-        if (other not in self.ema and self.steps > 1) or self.steps % self.probe_every == 0:
+        due = (other not in self.ema and self.steps > 1) or self.steps >= self.next_probe
+        if due and other == self.cores and self._busy():
+            self.next_probe = self.steps + self.gap  # ask again later
+            return self.best
+        if due:
+            self.probing = other in self.ema  # else the other count's first measurement
             return other
         return self.best
 
     def record(self, threads: int, seconds_per_token: float) -> None:
         old = self.ema.get(threads)
-        self.ema[threads] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
+        fresh = old is None or self.probing or threads != self.best
+        self.ema[threads] = seconds_per_token if fresh else 0.7 * old + 0.3 * seconds_per_token
         self.best = min(self.ema, key=self.ema.get)
+        if self.probing:
+            self.probing = False
+            self.gap = self.probe_every if self.best == threads else min(2 * self.gap, self.max_gap)
+            self.next_probe = self.steps + self.gap
 
 
 class CompiledCpuExecutor:

@@ -118,7 +118,7 @@ def test_thread_chooser_keeps_the_faster_count_and_keeps_probing():
     from kiln.runtime.worker.compiled_cpu_executor import ThreadChooser
 
     for fast in (1, 2):
-        ch = ThreadChooser(2, probe_every=8)
+        ch = ThreadChooser(2, probe_every=8, load=lambda: 0.0)
         picks = []
         for _ in range(64):
             k = ch.pick()
@@ -126,5 +126,46 @@ def test_thread_chooser_keeps_the_faster_count_and_keeps_probing():
             ch.record(k, 1.0 if k == fast else 3.0)
         assert picks[:2] == [2, 1]  # both measured first
         slow = [i for i, k in enumerate(picks[2:], start=3) if k != fast]
-        assert slow and all(i % 8 == 0 for i in slow)  # only the probes
+        assert slow == [8, 24, 56]  # only the probes, each one that loses doubling the gap
     assert ThreadChooser(1).pick() == 1
+
+
+def test_thread_chooser_follows_a_change_of_load():
+    """Two threads fast, then 20x slower (other processes took the cores), then fast again: the
+    chooser moves to one thread after one slow step, probes two rarely (gap bounded by max_gap),
+    and is back on two threads within one probe of the load going away."""
+    from kiln.runtime.worker.compiled_cpu_executor import ThreadChooser
+
+    ch = ThreadChooser(2, probe_every=8, max_gap=64, load=lambda: 0.0)
+    cost = {1: 2.0, 2: 1.0}
+    picks = []
+    for step in range(600):
+        if step == 100:
+            cost[2] = 40.0
+        if step == 400:
+            cost[2] = 1.0
+        k = ch.pick()
+        picks.append(k)
+        ch.record(k, cost[k])
+    loaded = picks[101:400]
+    assert loaded.count(2) <= 2 + 300 // 64 + 1 and loaded[-50:].count(1) >= 49
+    back = picks.index(2, 400)
+    assert back - 400 <= 64 and picks[back + 1:].count(1) <= (600 - back) // 8 + 1
+
+
+def test_thread_chooser_keeps_one_thread_while_the_cores_are_busy():
+    """Load average above the core count: start on one thread and probe all cores only once
+    the load has gone (then, two threads being faster, run them)."""
+    from kiln.runtime.worker.compiled_cpu_executor import ThreadChooser
+
+    load = [6.0]
+    ch = ThreadChooser(2, probe_every=8, load=lambda: load[0])
+    picks = []
+    for step in range(200):
+        if step == 100:
+            load[0] = 0.5
+        k = ch.pick()
+        picks.append(k)
+        ch.record(k, 1.0 if k == 2 else 2.0)
+    assert set(picks[:100]) == {1}
+    assert picks[100:].index(2) <= 8 and picks[-50:].count(2) >= 45
