@@ -41,7 +41,7 @@ so an 8B model is written at disk speed as bf16 is), in the layouts kiln reads:
   q4k    one GGUF file (gguf-py's GGUFWriter, llama architecture) mixed as llama.cpp's Q4_K_M
          (src/llama-quant.cpp llama_tensor_get_type_impl): Q4_K everywhere, Q6_K for output.weight and
          for attn_v / ffn_down in the layers use_more_bits picks (the first and last eighth and every
-         third between), norms F32; k-quant blocks written byte by byte from random codes and random
+         third between; --pure: all Q4_K, the issue's "all linears Q4_K"), norms F32; k-quant blocks written byte by byte from random codes and random
          positive f16 d / dmin (graph/gguf_blocks.py's layouts); plain RoPE (no rope_freqs tensor, so
          llama.cpp and kiln run the same model), and a byte-level BPE vocabulary ("<unk>", "<s>", "</s>",
          the 256 byte symbols, two spaces, then "t260", ...) that kiln's GGUF tokenizer reads.
@@ -335,12 +335,12 @@ def _nbytes(spec: tuple[str, tuple[int, ...]]) -> int:
     return ITEMSIZE[spec[0]] * math.prod(spec[1])
 
 
-def checkpoint_bytes(shape: str, fmt: str = "bf16") -> int:
+def checkpoint_bytes(shape: str, fmt: str = "bf16", pure: bool = False) -> int:
     """The bytes of a shape's tensor data in a format (safetensors headers or GGUF metadata aside):
-    what --dry-run reports."""
+    what --dry-run reports. pure: q4k without the Q4_K_M mix (all Q4_K)."""
     cfg = hf_config(shape)
     if fmt == "q4k":
-        return sum(nbytes for _, _, _, nbytes in gguf_plan(cfg))
+        return sum(nbytes for _, _, _, nbytes in gguf_plan(cfg, pure))
     return sum(_nbytes(s) for s in tensor_plan(cfg, fmt).values())
 
 
@@ -484,8 +484,9 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def gguf_plan(cfg: dict) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """A llama Q4_K_M GGUF's tensors in file order: (llama.cpp name, ggml type, HF [out, in] shape, bytes)."""
+def gguf_plan(cfg: dict, pure: bool = False) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """A llama Q4_K_M GGUF's tensors in file order: (llama.cpp name, ggml type, HF [out, in] shape, bytes);
+    pure: every quantised tensor Q4_K, the output too (llama-quantize --pure)."""
     from kiln.graph.gguf_blocks import row_bytes
 
     h, v, i, n = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
@@ -498,7 +499,7 @@ def gguf_plan(cfg: dict) -> list[tuple[str, str, tuple[int, ...], int]]:
 
     add("token_embd.weight", "Q4_K", (v, h))
     for layer in range(n):
-        more = "Q6_K" if use_more_bits(layer, n) else "Q4_K"
+        more = "Q6_K" if use_more_bits(layer, n) and not pure else "Q4_K"
         p = f"blk.{layer}."
         add(p + "attn_norm.weight", "F32", (h,))
         add(p + "attn_q.weight", "Q4_K", (nq * d, h))
@@ -511,7 +512,7 @@ def gguf_plan(cfg: dict) -> list[tuple[str, str, tuple[int, ...], int]]:
         add(p + "ffn_down.weight", more, (h, i))
     add("output_norm.weight", "F32", (h,))
     if not cfg.get("tie_word_embeddings", False):
-        add("output.weight", "Q6_K", (v, h))
+        add("output.weight", "Q4_K" if pure else "Q6_K", (v, h))
     return out
 
 
@@ -556,13 +557,13 @@ def write_gguf_tokenizer(w, vocab_size: int) -> None:
     w.add_add_bos_token(True)
 
 
-def write_q4k_gguf(shape: str, path: Path, seed: int = 0, progress=lambda n: None) -> Path:
-    """The shape as a llama Q4_K_M GGUF at `path`, streamed tensor by tensor (GGUFWriter's tensor infos
-    first, then each tensor's data as it is made)."""
+def write_q4k_gguf(shape: str, path: Path, seed: int = 0, progress=lambda n: None, pure: bool = False) -> Path:
+    """The shape as a llama Q4_K_M GGUF at `path` (pure: all Q4_K), streamed tensor by tensor
+    (GGUFWriter's tensor infos first, then each tensor's data as it is made)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     cfg = hf_config(shape)
-    plan = gguf_plan(cfg)
+    plan = gguf_plan(cfg, pure)
     rng = np.random.default_rng([seed, 4])
     pool_blocks = {}
     for qtype, ts in (("Q4_K", 144), ("Q6_K", 210)):
@@ -621,25 +622,29 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 
 def make_random_model(shape: str, out: str | Path, *, shard_gb: float = 4.0, seed: int = 0,
                       show_progress: bool = False, spill_dir: str | Path | None = None,
-                      keep_gb: float = 0.0, fmt: str = "bf16") -> Path:
+                      keep_gb: float = 0.0, fmt: str = "bf16", pure: bool = False) -> Path:
     """Write the checkpoint into `out` (created; existing files of the same names are replaced); -> out,
-    or for q4k the GGUF file written in it (`<shape>-Q4_K_M.gguf`). fmt: bf16 | fp8 | nvfp4 | q4k (the
+    or for q4k the GGUF file written in it (`<shape>-Q4_K_M.gguf`; pure: `<shape>-Q4_K.gguf`, every
+    quantised tensor Q4_K as llama-quantize --pure writes it). fmt: bf16 | fp8 | nvfp4 | q4k (the
     module docstring); FormatRefused for a (shape, format) kiln does not run, before anything is written.
     spill_dir: once `keep_gb` GB of shards are in `out`, the rest are written there and symlinked into
     `out` (a checkpoint larger than one filesystem: the 35B-A3B shape is 69 GB, the H200 machine's disk
     64 GiB, so part of it goes to /dev/shm)."""
     check_format(shape, fmt)
+    if pure and fmt != "q4k":
+        raise FormatRefused(f"--pure is a q4k option (all Q4_K, no Q4_K_M mix), not one of {fmt}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(shape)
     bar = None
-    total = checkpoint_bytes(shape, fmt)
+    total = checkpoint_bytes(shape, fmt, pure)
     if show_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {shape} {fmt}", file=sys.stderr)
     if fmt == "q4k":
-        path = write_q4k_gguf(shape, out / f"{shape}-Q4_K_M.gguf", seed, bar.update if bar else lambda n: None)
+        path = write_q4k_gguf(shape, out / f"{shape}-{'Q4_K' if pure else 'Q4_K_M'}.gguf", seed,
+                              bar.update if bar else lambda n: None, pure)
         if bar:
             bar.close()
         return path
@@ -702,7 +707,8 @@ def dry_run_lines(shape: str, shard_gb: float) -> list[str]:
             continue
         total = checkpoint_bytes(shape, fmt)
         if fmt == "q4k":
-            n, files = len(gguf_plan(cfg)), "one GGUF file (Q4_K_M mix)"
+            n = len(gguf_plan(cfg))
+            files = f"one GGUF file (Q4_K_M mix; {checkpoint_bytes(shape, fmt, pure=True)} bytes with --pure)"
         else:
             plan = tensor_plan(cfg, fmt)
             n = len(plan)
@@ -718,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(ALL_SHAPES))
     ap.add_argument("--format", default="bf16", choices=FORMATS, dest="fmt",
                     help="bf16; fp8 (block-wise, Qwen's *-FP8 layout); nvfp4 (ModelOpt); q4k (a llama.cpp Q4_K_M GGUF)")
+    ap.add_argument("--pure", action="store_true",
+                    help="q4k: every quantised tensor Q4_K, no Q4_K_M mix (llama-quantize --pure)")
     ap.add_argument("--out", help="checkpoint directory to write (required unless --dry-run)")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="largest shard size in GB (1e9 bytes)")
     ap.add_argument("--seed", type=int, default=0)
@@ -735,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         out = make_random_model(a.shape, a.out, shard_gb=a.shard_gb, seed=a.seed, show_progress=True,
-                                spill_dir=a.spill_dir, keep_gb=a.keep_gb, fmt=a.fmt)
+                                spill_dir=a.spill_dir, keep_gb=a.keep_gb, fmt=a.fmt, pure=a.pure)
     except FormatRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -284,6 +284,29 @@ def test_decode_roofline_counts_the_quantised_bytes(ckpts, case):
     assert got < 0.75 * plain
 
 
+def test_q4k_pure_is_all_q4_k(tmp_path):
+    """--pure (llama-quantize's): every quantised tensor Q4_K, the output too; it runs in kiln's blocks
+    with finite logits, and the roofline counts its blocks."""
+    from gguf import GGUFReader
+
+    path = make_random_model("tiny-llama-k", tmp_path, fmt="q4k", pure=True)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert {q for n, q in types.items() if not n.endswith("norm.weight")} == {"Q4_K"}
+    lm = load(path, kv_cache_tokens=256, tokenizer=False, gguf_blocks=True)
+    assert [n.op for n in lm.graph.nodes.values()].count("linear_gguf") == 4 * 2 + 1
+    assert all(np.isfinite(x).all() for x in _kiln_logits(lm, _prompts(320, seed=4)))
+    cfg = lm.source.config
+    assert decode_weight_bytes(build_graph(cfg, target="sm_90"), cfg) == _expected_decode_bytes(path)
+    assert checkpoint_bytes("tiny-llama-k", "q4k", pure=True) == path.stat().st_size - _data_offset(path)
+
+
+def _data_offset(path: Path) -> int:
+    """Where a GGUF's tensor data starts (its size minus the data is the header and metadata)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path).data_offset
+
+
 def test_dry_run_prints_each_format_and_refusals_are_one_sentence(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "bench" / "make_random_model.py"), "--shape", "llama-3.1-8b",
                           "--dry-run"], capture_output=True, text=True, check=True).stdout.splitlines()
