@@ -41,11 +41,13 @@ class ListeningServer:
         await self.http_server.close_all_connections()
 
 
-def bind(host: str, port: int) -> list:
+def bind(host: str, port: int, backlog: int = ServerConfig.backlog) -> list:
     """The listening sockets, or one sentence: bound before the model loads, so a port in use is
-    said at once (issue 42 #6: it was said after minutes of loading)."""
+    said at once (issue 42 #6: it was said after minutes of loading). backlog: the accept queue
+    (--backlog; the kernel caps it at net.core.somaxconn). Tornado's default of 128 dropped the
+    SYNs of a 3,000-client burst: 230 clients never connected (docs/BENCHMARKS.md, issue 42)."""
     try:
-        return tornado.netutil.bind_sockets(port, host)
+        return tornado.netutil.bind_sockets(port, host, backlog=backlog)
     except OSError as e:
         what = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
         raise KilnError(f"cannot listen on {host}:{port}: {what}") from None
@@ -62,7 +64,7 @@ def check_chat_template(template: Optional[str], whose: str) -> None:
 
 def listen(app, config: ServerConfig, host: str, port: int, sockets: Optional[list] = None) -> ListeningServer:
     """Bind (unless `sockets` are bound already) and start serving on the running event loop."""
-    sockets = sockets if sockets is not None else tornado.netutil.bind_sockets(port, host)
+    sockets = sockets if sockets is not None else tornado.netutil.bind_sockets(port, host, backlog=config.backlog)
     server = tornado.httpserver.HTTPServer(app, max_body_size=max(4 * config.max_body_bytes, MIN_BODY_DRAIN_BYTES),
                                            idle_connection_timeout=3600)
     server.add_sockets(sockets)
@@ -147,7 +149,7 @@ def run_server(args, config: ServerConfig, host: str, port: int, *, engine_proce
     # Warnings and errors (4xx/5xx access lines, engine failures) to stderr; 2xx stay quiet.
     logging.basicConfig(level=logging.WARNING, format="[kiln] %(levelname)s %(name)s: %(message)s")
     check_chat_template(config.chat_template, "the --chat-template")
-    sockets = bind(host, port)
+    sockets = bind(host, port, config.backlog)
     try:
         t0 = time.perf_counter()
         engine = AsyncLLM.from_engine_args(args, engine_process=engine_process)

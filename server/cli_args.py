@@ -39,6 +39,13 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):  # NaN and inf too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache element type (vLLM's flag): auto = the model's dtype; fp8 (= fp8_e4m3, "
@@ -152,6 +159,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are aborted "
                    "(each ends with an error); new requests get 503 meanwhile")
+    p.add_argument("--stream-send-timeout", type=_positive_float, default=60.0,
+                   help="seconds a stream's write may wait on a client that reads nothing (its last frames "
+                   "unread, even after the request finished) before the connection is closed (nginx's "
+                   "send_timeout)")
+    p.add_argument("--backlog", type=_positive, default=2048,
+                   help="the listening socket's queue of connections not yet accepted (uvicorn's --backlog and "
+                   "default; the kernel caps it at net.core.somaxconn)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the current one executes (vLLM's --async-scheduling; "
                    "default: on for a GPU target, off on CPU)")
@@ -205,5 +219,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes, scheduling_policy=args.scheduling_policy,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, limits=limits_from_args(args),
-        shutdown_timeout=args.shutdown_timeout)
+        shutdown_timeout=args.shutdown_timeout, stream_send_timeout=args.stream_send_timeout, backlog=args.backlog)
     return run_server(engine_args, config, args.host, args.port, engine_process=args.engine_process)

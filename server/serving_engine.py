@@ -296,12 +296,32 @@ class OpenAIServingHandler(BaseHandler):
             raise ClientGone()
         payload = data if isinstance(data, str) else encode_json(data)
         self.write(f"data: {payload}\n\n")
+        # --stream-send-timeout: a flush that waits this long (the client read nothing meanwhile) closes
+        # the connection, so the stream's unread frames do not hold it forever: after the request finished
+        # (the [DONE] flush) nothing else would, the backlog bound covers only tokens still coming
+        stalled = asyncio.get_running_loop().call_later(self.state.config.stream_send_timeout, self._send_stalled)
         try:
             await self.flush()
         except StreamClosedError:
             self.client_gone = True
             self.state.engine.abort_nowait(self._request_ids)
             raise ClientGone() from None
+        finally:
+            stalled.cancel()
+
+    def _send_stalled(self) -> None:
+        """A write of this stream waited --stream-send-timeout seconds: the client stopped reading.
+        The connection is closed (the pending flush raises StreamClosedError) and a request still
+        running aborted. Like nginx's send_timeout (the time between two successive writes); vLLM has
+        none: uvicorn's flow control waits for the client to drain without a limit
+        (uvicorn/protocols/http/flow_control.py FlowControl.drain)."""
+        if self.client_gone:
+            return
+        logger.warning("%s %s: the client read nothing for %g s; connection closed", self.request.method,
+                       self.request.path, self.state.config.stream_send_timeout)
+        stream = getattr(self.request.connection, "stream", None)
+        if stream is not None:
+            stream.close()
 
     async def run_stream(self, events: AsyncIterator[Any]) -> None:
         """Send each event (a dict, or its JSON text), then [DONE]; an error after the first byte

@@ -33,6 +33,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     limits: RequestLimits = RequestLimits()  # what one request may ask, how many may wait (--max-* flags)
     shutdown_timeout: float = 30.0  # SIGTERM: seconds the requests in flight get to finish
+    stream_send_timeout: float = 60.0  # a stream's write waiting this long on a client that reads nothing: closed
+    backlog: int = 2048  # the listening socket's accept queue (uvicorn's --backlog default; Tornado's is 128)
 
 
 @dataclass
