@@ -66,9 +66,11 @@ class ThreadChooser:
     max_gap steps: a 27x slower probe every 16 steps had made decode 3x slower than one thread),
     a probe that wins makes its count the one that runs. The running count's time is an
     exponential average; a probe's is its own measurement (the last one, minutes old, says
-    little). While the 1-minute load average is above the core count (other processes want every
-    core), all cores are neither started with nor probed: one such probe cost as much as 20 steps
-    on one thread, at load average 10.6 four of them took a third of a 128-token decode."""
+    little). While other processes keep more than cores - 0.5 cores busy (the 1-minute load
+    average less the threads this executor runs), all cores are neither started with nor probed:
+    one such probe cost as much as 20 steps on one thread, at load average 10.6 four of them took a
+    third of a 128-token decode. The margin lets a peer benchmark run just before (two threads for
+    30 s lift the 1-minute average by ~0.8) leave two threads to kiln on an otherwise idle machine."""
 
     def __init__(self, cores: int, probe_every: int = 16, max_gap: int = 512,
                  load: Callable[[], float] = lambda: os.getloadavg()[0]) -> None:
@@ -81,7 +83,7 @@ class ThreadChooser:
         self.probing = False
 
     def _busy(self) -> bool:
-        return self.load() > self.cores
+        return self.load() - self.best > self.cores - 0.5
 
     def pick(self) -> int:
         if self.cores == 1:
