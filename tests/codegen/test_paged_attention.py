@@ -362,3 +362,22 @@ def test_head_dim_256_defaults_fill_a_short_decode():
         assert spec.grid[1] * (512 // c["SEG"]) == 128 and c["DV_PARTS"] == decode_dv_parts(cfg, 1, True)
         assert 256 // c["DV_PARTS"] >= 32
     assert DEFAULT.attention(32, 8, 128, 4096) == dataclasses.replace(AttentionConfig(), seg=64)
+
+
+def test_dv_parts_of_a_padded_head(rng):
+    """V column parts of a head padded to a power of 2 (48 -> 64 columns: the last part partly, with
+    4 parts wholly, past D; a column past D written would land on the next head's): every split gives
+    the one-part bits, split (merged in the kernel or by the merge launch) or one sequence read whole."""
+    h, hkv, d = 6, 2, 48
+    q, cache, bt, sl, qsl = make_batch(rng, [(45, 1), (70, 1), (9, 1), (33, 1)], h, hkv, d)
+    ref = ops.paged_attention(q, cache, bt, sl, qsl, scale=d ** -0.5)
+    base = run(q, cache, bt, sl, qsl, decode=True, split=True)
+    assert_close(base, ref, what="decode, one part")
+    for parts in (2, 4):
+        cfg = dataclasses.replace(CFG, split_dv_parts=parts, one_dv_parts=parts)
+        for fuse in (True, False):
+            got = run(q, cache, bt, sl, qsl, config=cfg, decode=True, split=True, fuse_merge=fuse)
+            assert same_bits(got, base), f"{parts} parts, fused merge {fuse}: other bits"
+        one = run(np.ascontiguousarray(q[1:2]), cache, bt[1:2], sl[1:2], np.array([0, 1], np.int32), config=cfg,
+                  decode=True, split=False)
+        assert same_bits(one[0], base[1]), f"{parts} parts, one sequence read whole: other bits"
