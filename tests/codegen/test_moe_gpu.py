@@ -112,6 +112,38 @@ def test_experts_match_reference_and_a_tokens_bits_its_path_batch_and_tiles():
             assert same_bits(one[0], full[i]), f"token {i} alone ({path}) differs from its row among 300"
 
 
+def test_the_folded_shared_expert_add_gives_sigmoid_mul_then_add_bits():
+    """moe_sum with the shared expert (SHARED: the lowering folds sigmoid_mul and the add into the
+    routed sum, lower.py _defer_moe_sum) against the routed layer's own sum then gdn.sigmoid_mul
+    with add, as a decode_token bucket (no fold) runs them: the same bits, so a schedule may mix
+    folding and non-folding paths across buckets."""
+    from kiln.codegen.triton.gdn import sigmoid_mul
+    from kiln.codegen.triton.moe import moe_sum
+
+    rng = np.random.default_rng(3)
+    t = 40
+    x, shared = dev(rand(rng, (t, H))), dev(rand(rng, (t, H)))
+    gate = dev(rand(rng, (t, 5), BF16, 2.0))[:, 3:4]  # a strided column, as the merged GEMM's output holds it
+    w13, w2 = dev(rand(rng, (E, 2 * I, H), BF16, 0.1)), dev(rand(rng, (E, H, I), BF16, 0.1))
+    ids = dev(np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int32))
+    ww = rng.uniform(0.1, 1.0, (t, K)).astype(np.float32)
+    ww = dev(ww / ww.sum(-1, keepdims=True))
+    n_rows = torch.tensor([t], dtype=torch.int32, device="cuda")
+    routed = torch.empty((t, H), dtype=torch.bfloat16, device="cuda")
+    moe_experts(x, ids, ww, w13, w2, routed, path="decode_token", n_rows=n_rows,
+                workspace={"a": torch.empty((t * K, I), dtype=torch.bfloat16, device="cuda")})
+    want = torch.empty((t, 1, H), dtype=torch.bfloat16, device="cuda")
+    sigmoid_mul(shared.view(t, 1, H), gate.unsqueeze(-1), want, n_rows=n_rows, add=routed.view(t, 1, H))
+    for path in ("decode", "grouped"):
+        need = moe_workspace(t, K, E, H, I, "bfloat16", path=path, block_m=16)
+        tdt = {"bfloat16": torch.bfloat16, "int32": torch.int32}
+        ws = {n: torch.empty(shape, dtype=tdt[d], device="cuda") for n, (shape, d) in need.items()}
+        out = torch.empty((t, H), dtype=torch.bfloat16, device="cuda")
+        moe_experts(x, ids, ww, w13, w2, out, path=path, n_rows=n_rows, workspace=ws, defer_sum=True)
+        moe_sum(ws["o"], ww, out, n_rows=n_rows, shared=(shared, gate))
+        assert same_bits(host(out), host(want[:, 0])), path
+
+
 def test_decode_bandwidth_at_35b_a3b_shape():
     """E 256, k 8, H 2048, I 512 (bf16): a batch-1 step reads its k experts' w13 and w2, 8 x (2 x 512
     + 512) x 2048 x 2 bytes = 48 MiB. Prints us and GB/s of distinct expert weights for T = 1, 4, 8."""
