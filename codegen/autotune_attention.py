@@ -235,16 +235,15 @@ def _halves_can_keep_bits(shape: AttentionShape, default: AttentionConfig) -> bo
 
 
 def _wide(shape: AttentionShape) -> bool:
-    """A head wider than 128 (Qwen3.5/3.6: 256): the decode sweep moves up a warp count and down a
-    stage (ptxas, sm_90, 16-row decode programs at 256: 1 and 2 warps spill, 4 and 8 do not; a
-    64-key stage of K and V is 64 KB of shared memory, so 4 stages cannot fit) and sweeps the split
-    classes' V column parts (configs.wide_head)."""
+    """A head wider than 128 (Qwen3.5/3.6: 256): the decode sweep moves up a warp count (ptxas, sm_90,
+    16-row decode programs at 256: 1 and 2 warps spill, 4 and 8 do not) and sweeps the split classes'
+    V column parts (configs.wide_head)."""
     return next_pow2(shape.d) > 128
 
 
 def _decode_grid(shape: AttentionShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """-> (warps, stages) a decode sweep tries."""
-    return ((2, 4, 8), (2, 3)) if _wide(shape) else ((1, 2, 4), (2, 3, 4))
+    return ((2, 4, 8) if _wide(shape) else (1, 2, 4)), (2, 3, 4)
 
 
 def decode_candidates(shape: AttentionShape, default: AttentionConfig) -> list[AttentionConfig]:
