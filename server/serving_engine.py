@@ -315,13 +315,12 @@ class OpenAIServingHandler(BaseHandler):
         running aborted. Like nginx's send_timeout (the time between two successive writes); vLLM has
         none: uvicorn's flow control waits for the client to drain without a limit
         (uvicorn/protocols/http/flow_control.py FlowControl.drain)."""
-        if self.client_gone:
-            return
+        stream = getattr(self.request.connection, "stream", None)
+        if self.client_gone or stream is None or not stream.writing():
+            return  # written meanwhile (a loop that was busy runs this timer and the write's callback together)
         logger.warning("%s %s: the client read nothing for %g s; connection closed", self.request.method,
                        self.request.path, self.state.config.stream_send_timeout)
-        stream = getattr(self.request.connection, "stream", None)
-        if stream is not None:
-            stream.close()
+        stream.close()
 
     async def run_stream(self, events: AsyncIterator[Any]) -> None:
         """Send each event (a dict, or its JSON text), then [DONE]; an error after the first byte
