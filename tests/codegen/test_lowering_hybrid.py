@@ -133,3 +133,55 @@ def test_hybrid_plan_matches_numpy():
             got = run.state(key)[1:4].astype(np.float32)
             want = st[1:4].astype(np.float32)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * max(np.abs(want).max(), 1e-3))
+
+
+def test_fp8_hybrid_plan_matches_numpy():
+    """A block-wise FP8 hybrid (tests/test_fp8_hybrid.py: in_proj_a/b left bf16 as Qwen's files
+    leave them) lowered with the FP8 kernels: every FP8 linear one fp8_gemm_kernel launch reading
+    the e4m3 input a quantising kernel wrote (the input norms, the gated attention's output, the
+    gated RMSNorm's output, SwiGLU), the GDN kernels as in the bf16 plan; a mixed step and the
+    decode step after it against the numpy executor on the same bf16 graph. Whole plan within 0.1
+    of the largest logit (measured 1.3e-2 and 1.5e-2), not the bf16 plan's 2e-2: a bf16 rounding
+    that lands on the other side of an e4m3 boundary moves that activation a whole e4m3 step
+    (tests/codegen/test_lowering_fp8.py's docstring; it checks the FP8 kernels node by node); a
+    wrong scale, group or operand order moves the logits by their own size."""
+    from tests.codegen.helpers import FP8
+    from tests.fp8_checkpoints import BLOCK_CONFIG
+
+    skip = [f"model.layers.{i}.linear_attn.in_proj_{c}" for i in range(3) for c in "ab"]
+    cfg = ModelConfig.from_hf_dict({**HYBRID_BASE, "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4,
+                                    "max_position_embeddings": MAX_LEN,
+                                    "quantization_config": {**BLOCK_CONFIG, "modules_to_not_convert": skip}})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=BS))
+    rng = np.random.default_rng(0)
+    weights = {}
+    for n, shape in graph.checkpoint_weights().items():
+        t = graph.tensors.get(n)  # None: a part of a merged weight (in_proj_b+in_proj_a), bf16
+        if t is not None and t.dtype == DType.fp8e4m3:
+            weights[n] = np.clip(rng.standard_normal(shape) * 100, -448, 448).astype(FP8)
+        elif n.endswith("weight_scale_inv"):
+            k = graph.tensors[n.rsplit(".", 1)[0] + ".weight"].shape[1]
+            weights[n] = (rng.uniform(0.5, 1.5, shape) / k ** 0.5 / 100).astype(np.float32)
+        else:
+            x = rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 1.0 / shape[-1] ** 0.5)
+            weights[n] = x.astype(np.float32 if n.endswith(("A_log", "dt_bias")) else to_numpy(DType.bf16))
+    for t in graph.weights:
+        if t.parts:
+            weights[t.name] = stack_parts([weights[p] for p, _ in t.parts], t.interleave)
+    run = _HybridPlan(cfg, graph, weights)
+    n_fp8 = [n.op for n in graph.nodes.values()].count("linear_fp8")
+    assert n_fp8 == 3 * 3 + 4 + 4 * 3
+    for b in (MIXED, DECODE):
+        kernels = Counter(spec.kernel for spec, _ in run.lowered[b])
+        assert kernels["fp8_gemm_kernel"] == n_fp8, b
+        assert kernels["causal_conv1d_kernel"] == 3, b
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 70)]
+    blocks = [[1, 2], [3, 4, 5, 6, 7]]
+    steps = [run.step(MIXED, [SeqChunk(p, 0, b, state_slot=i + 1) for i, (p, b) in enumerate(zip(prompts, blocks))])]
+    nxt = steps[0][1].argmax(-1)
+    steps.append(run.step(DECODE, [SeqChunk([int(t)], len(p), b, state_slot=i + 1)
+                                   for i, (t, p, b) in enumerate(zip(nxt, prompts, blocks))]))
+    for got, want in steps:
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
