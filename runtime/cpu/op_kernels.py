@@ -133,7 +133,8 @@ def rope_kv(q, k, v, cache, positions, slots, cos, sin, rd, neox, qn, kn, eps, o
 @njit(parallel=True, fastmath=FM, cache=True)
 def paged_attention(q, cache, block_table, seq_lens, qsl, scale, window, out, seq_of):
     """q: [>=T, H, D]; cache: [NB, 2, BS, Hkv, D]; block_table: i32 [S, MB]; seq_lens: i32 [S];
-    qsl: i32 [S+1]; seq_of: i32 [T] (the sequence of each query row) -> out [>=T, H, D].
+    qsl: i32 [S+1]; seq_of: i32 [T] (the sequence of each query row; -1: skip the row, its out is
+    left as it is) -> out [>=T, H, D].
     Causal, GQA; a row at position p sees keys max(0, p - window + 1) .. p (window 0: all).
     One (row, head) per parallel item: q scaled once into a scratch row, the scores of the row
     into a scratch row, then exp in its own loop (not between two dot products: 20 % less time
@@ -147,6 +148,8 @@ def paged_attention(q, cache, block_table, seq_lens, qsl, scale, window, out, se
     for item in prange(T * H):
         t, h = item // H, item % H
         s = seq_of[t]
+        if s < 0:  # a row the caller attends otherwise (plan.py: prefill chunks through BLAS)
+            continue
         L, n = seq_lens[s], qsl[s + 1] - qsl[s]
         p = L - n + (t - qsl[s])
         lo = max(0, p - window + 1) if window > 0 else 0

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.graph import DType, Graph, TensorKind
+from kiln.graph.paged_attention_ref import paged_attention_ref
 from kiln.graph.rope import rope_tables
 from kiln.runtime.cpu import linear_kernels as LK
 from kiln.runtime.cpu import op_kernels as OK
@@ -25,6 +26,14 @@ VIEW_OPS = ("reshape", "slice_cols")
 OPS = ("embedding", "rms_norm", "add_rms_norm", "linear", "linear_add", "linear_silu_mul", "linear_rope",
        "attention_preamble", "paged_attention", "gather_rows") + VIEW_OPS
 _EMPTY = np.zeros(0, np.float32)
+# A sequence with at least this many query rows in a step (a prefill chunk) attends through the
+# numpy reference (graph/paged_attention_ref.py: BLAS products per query tile), the others through
+# OK.paged_attention. CPU time on one thread, SmolLM2's 9 x 64 heads over 3 KV heads, a fresh
+# prompt of n tokens (2026-12-07): n = 32: kernel 0.12 ms, reference 0.15; n = 128: 1.58 vs 1.11;
+# n = 512: 32.3 vs 9.2 (the kernel's dot products per key do not reuse a key across the rows and
+# heads that read it; BLAS does). The reference also runs on OpenBLAS's threads in a prefill step,
+# where numba keeps one.
+ATTENTION_BLAS_ROWS = 64
 
 
 class NotCompilable(Exception):
@@ -310,9 +319,25 @@ class Plan:
         def make(buf):
             qv, c, o = buf(q), buf(self._base(cache)), buf(outs[0])
             hd = qv.shape[1] * qv.shape[2]
-            # multiply-adds: q.k and p.v per key (SmolLM2 decode at 129 keys: 31 -> 19 us on 2 threads)
-            return lambda ctx: run_sized(2 * ctx.T * ctx.max_len * hd, OK.paged_attention, qv, c, ctx.inp[bt],
-                                         ctx.inp[sl], ctx.inp[qsl], scale, window, o, ctx.seq_of)
+
+            def fn(ctx):
+                block_table, seq_lens, starts = ctx.inp[bt], ctx.inp[sl], ctx.inp[qsl]
+                seq_of = ctx.seq_of
+                n = np.diff(starts)
+                long = np.flatnonzero(n >= ATTENTION_BLAS_ROWS) if ctx.T >= ATTENTION_BLAS_ROWS else ()
+                for s in long:  # prefill chunks: the numpy reference's BLAS products
+                    q0, q1 = int(starts[s]), int(starts[s + 1])
+                    o[q0:q1] = paged_attention_ref(qv[q0:q1], c, block_table[s:s + 1], seq_lens[s:s + 1],
+                                                   np.array([0, q1 - q0], np.int32), scale=scale,
+                                                   sliding_window=window)
+                if len(long):
+                    if len(long) == len(n):
+                        return
+                    seq_of = np.where(np.isin(seq_of, long), -1, seq_of).astype(np.int32)
+                # multiply-adds: q.k and p.v per key (SmolLM2 decode at 129 keys: 31 -> 19 us on 2 threads)
+                run_sized(2 * ctx.T * ctx.max_len * hd, OK.paged_attention, qv, c, block_table, seq_lens,
+                          starts, scale, window, o, seq_of)
+            return fn
         return Step(node.name, (OK.paged_attention,), make)
 
     def _op_gather_rows(self, node, attrs, ins, outs) -> Step:

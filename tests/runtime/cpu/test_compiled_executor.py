@@ -13,6 +13,7 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.loader import build_graph, load
 from kiln.runtime.cpu.linear import GEMM_MIN_TOKENS
+from kiln.runtime.cpu.plan import ATTENTION_BLAS_ROWS
 from kiln.runtime.worker.compiled_cpu_executor import CompiledCpuExecutor
 from kiln.runtime.worker.cpu_executor import CpuExecutor
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
@@ -20,10 +21,13 @@ from tests.tiny_models import make_tiny_model
 
 
 def steps(vocab: int, seed: int):
-    """A mixed first step (three prompts, one long enough for the BLAS path), then decodes."""
+    """A mixed first step (three prompts, one long enough for the BLAS linears and the BLAS
+    attention of plan.ATTENTION_BLAS_ROWS, the others through the attention kernel), then decodes."""
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (GEMM_MIN_TOKENS + 9, 3, 1)]
-    blocks = [[0, 1, 2], [3], [4]]
+    n0 = max(GEMM_MIN_TOKENS, ATTENTION_BLAS_ROWS) + 9
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (n0, 3, 1)]
+    nb = -(-(n0 + 3) // 16)
+    blocks = [list(range(nb)), [nb], [nb + 1]]
     yield prepare_step([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)], 16)
     for i in range(2):
         toks = rng.integers(0, vocab, 3).tolist()

@@ -101,3 +101,9 @@ def test_paged_attention(window):
     K.paged_attention(q, cache, block_table, seq_lens, qsl, 0.25, window, out, seq_of)
     want = ops.paged_attention(q[:T], cache, block_table, seq_lens, qsl, scale=0.25, sliding_window=window)
     close(out[:T], want, 1e-5)
+    # rows of sequence 0 marked -1 are left alone (plan.py attends them through BLAS)
+    out2 = np.full_like(out, 7.0)
+    K.paged_attention(q, cache, block_table, seq_lens, qsl, 0.25, window, out2,
+                      np.where(seq_of == 0, -1, seq_of).astype(np.int32))
+    assert (out2[:5] == 7.0).all()
+    assert np.array_equal(out2[5:T], out[5:T])
