@@ -60,8 +60,8 @@ class Scratch:
             raise ValueError(f"activation quantisation {act_quant!r} is not one of {ACT_QUANTS}")
         self.act_quant = act_quant
         self.buf = np.empty(0, np.float32)
-        self.xq = np.empty((0, 0), np.int16)
-        self.ds = np.empty((0, 0), np.float32)
+        self.xq = np.empty(0, np.int16)
+        self.ds = np.empty(0, np.float32)
         self.xf = np.empty(0, np.float32)
 
     def get(self, k: int, n: int) -> np.ndarray:
@@ -70,11 +70,14 @@ class Scratch:
         return self.buf[:k * n].reshape(k, n)
 
     def act(self, T: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> xq i16 [T, k], dx, sx f32 [T, k/32] (views of buffers kept for the next layer)"""
-        if self.xq.shape[0] < T or self.xq.shape[1] < k:
-            self.xq = np.empty((max(T, self.xq.shape[0]), max(k, self.xq.shape[1])), np.int16)
-            self.ds = np.empty((2, self.xq.shape[0], self.xq.shape[1] // 32), np.float32)
-        return self.xq[:T, :k], self.ds[0, :T, :k // 32], self.ds[1, :T, :k // 32]
+        """-> xq i16 [T, k], dx, sx f32 [T, k/32]: C-contiguous views of buffers kept for the next
+        layer (contiguous whatever k, so the kernels see one array layout and compile once)"""
+        if self.xq.size < T * k:
+            self.xq = np.empty(T * k, np.int16)
+            self.ds = np.empty(2 * T * k // 32, np.float32)
+        nb = T * k // 32
+        return (self.xq[:T * k].reshape(T, k), self.ds[:nb].reshape(T, k // 32),
+                self.ds[nb:2 * nb].reshape(T, k // 32))
 
 
 def gemv(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int) -> None:
