@@ -183,3 +183,28 @@ def test_online_fp8_greedy_through_llm_matches_the_oracle(online):
     _, acts = _Probe(lm).run(seq)
     ref = _oracle_logits(model, seq, acts, {"elements": 0, "ties": 0}, min_scale=1.0 / (448.0 * 512.0))
     assert ref[len(prompt) - 1:].argmax(axis=-1).tolist() == ours
+
+
+def test_online_fp8_of_a_hybrid_matches_the_oracle(tmp_path):
+    """--quantization fp8 on an unquantised Qwen3.5 hybrid (the ForConditionalGeneration layout):
+    every linear of the text tower FP8 per tensor, in_proj_a/in_proj_b too (vLLM quantises every
+    LinearBase online), logits within 1e-3 of the oracle told kiln's boundary roundings."""
+    from tests.fp8_checkpoints import GDN_LINEARS
+    from tests.tiny_models import make_tiny_hybrid
+
+    model = make_tiny_hybrid(tmp_path, "qwen3_5_conditional")
+    lm = load(tmp_path, quantization="fp8", kv_cache_tokens=2048, tokenizer=False)
+    linears = LINEARS + GDN_LINEARS
+    assert [n.op for n in lm.graph.nodes.values()].count("linear_fp8") == 6 * 5 + 2 * 4 + 8 * 3
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if "layers" in name.split(".") and _leaf(name) in linears:
+                s = mod.weight.abs().max() / 448.0
+                mod.weight.copy_((mod.weight / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32) * s)
+    model.fp8_linears, model.fp8_skip = linears, ()
+    probe, stats = _Probe(lm), {"elements": 0, "ties": 0}
+    for p in _prompts(256, seed=1, lens=(7, 33)):
+        got, acts = probe.run(p)
+        ref = _oracle_logits(model, p, acts, stats, min_scale=1.0 / (448.0 * 512.0))
+        assert _rel(got, ref) <= 1e-3, f"{len(p)}-token prompt: {_rel(got, ref):.2e} from the online FP8 oracle"
+    assert stats["ties"] <= 1e-4 * stats["elements"], stats
