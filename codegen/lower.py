@@ -494,7 +494,8 @@ class _Lowerer:
 
     def op_fused_gated_delta_rule_norm(self, node) -> None:
         """passes/fold_gdn_norm.py's op. Decode buckets: the recurrent kernel with the norm (one
-        launch). Mixed buckets: the chunked kernel, the norm over every row in place (rows it did not
+        launch; its programs split each head's columns, and the last one of a row norms it). Mixed
+        buckets: the chunked kernel, the norm over every row in place (rows it did not
         write are norms of stale values, overwritten next), then the recurrent kernel with the norm
         for the one-token sequences: a decode token gets the decode bucket's bits."""
         ins = [self.buf(t) for t in node.inputs]
@@ -504,12 +505,16 @@ class _Lowerer:
         out = self.buf(node.outputs[0])
         args = (q, k, v, a, b, a_log, dt_bias, state, sl, qsl, slots, out)
         scale, norm = node.attrs["q_scale"], (z, w, node.attrs["norm_eps"])
+        # a head's value columns split over programs: the last of a (token, head) norms the row,
+        # counting on an i32 of [T, Hv]; the merge counters' region (zeroed at load, left zero by
+        # every launch that counts on it, launches ordered on the stream) serves
+        counter = self.workspace(MERGE_COUNTER, (out.shape[0], out.shape[1]), np.int32)
         if self.bucket.decode:
-            k_gdn.gdn_recurrent(*args, scale=scale, norm=norm)
+            k_gdn.gdn_recurrent(*args, scale=scale, norm=norm, counter=counter)
         else:
             k_gdn.gdn_chunked(*args, scale=scale, mixed=True)
             k_gdn.gated_rms_norm(out, z, w, out, eps=node.attrs["norm_eps"], n_rows=self.n_rows(node.inputs[2]))
-            k_gdn.gdn_recurrent(*args, scale=scale, mixed=True, norm=norm)
+            k_gdn.gdn_recurrent(*args, scale=scale, mixed=True, norm=norm, counter=counter)
 
     def op_gated_rms_norm(self, node) -> None:
         x, z, w = node.inputs

@@ -4,9 +4,10 @@ is written once, normed:
     fused_gated_delta_rule -> o -> gated_rms_norm(o, z, w)
     => fused_gated_delta_rule_norm(..., z, w) -> gated_rms_norm(o, z, w)
 
-On the GPU (codegen/lower.py) a decode bucket runs it as one launch: the recurrent kernel takes a
-whole head per program (BV = DV) and norms its output row before the store (vLLM runs
-fused_recurrent_gated_delta_rule, then RMSNormGated: two). A mixed bucket runs the chunked kernel,
+On the GPU (codegen/lower.py) a decode bucket runs it as one launch: the recurrent kernel splits
+a head's value columns over programs, and the last of a row's programs to store its columns
+norms the whole row in place (vLLM runs fused_recurrent_gated_delta_rule, then RMSNormGated:
+two). A mixed bucket runs the chunked kernel,
 the norm over the rows in place, then the recurrent kernel with the norm for the tokens alone in
 their 64-window: a token's bits still depend only on which form computed it, never on its
 bucket. The norm-in-GEMM-prologue alternative (out_proj normalising its own A tiles) lost

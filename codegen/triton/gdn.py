@@ -28,8 +28,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from kiln.codegen.triton.launch import (Buf, KernelSpec, as_buf, cdiv, check, dtype_name, launch, next_pow2, shape_of,
-                                        sig_type, strides_of)
+from kiln.codegen.triton.launch import (Buf, KernelSpec, as_buf, cdiv, check, dtype_name, is_host, launch, next_pow2,
+                                        shape_of, sig_type, strides_of)
 from kiln.codegen.triton.pdl import pdl_enter
 
 CHUNK = 64
@@ -103,22 +103,51 @@ def _gated_norm(o, z_row, w_ptr, r, m, eps, DV: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
+def _norm_if_last(cnt_ptr, row_ptr, z_row, w_ptr, eps, DV: tl.constexpr, BDV: tl.constexpr, NV: tl.constexpr):
+    """The NV programs of one (token, value head) each stored their columns of the rounded o in
+    its output row; each counts itself in on *cnt_ptr, and the one that counts last reads the
+    whole row back and writes _gated_norm of it in place, the bits of a program that held the
+    row whole (the same rounded values, one sum over all DV), then puts the counter back to 0.
+    Ordering as paged_attention._merge_if_last: the barrier puts the program's stores before its
+    atomic, whose release publishes them at GPU scope; the last one's acquire orders its loads
+    (.cg: not from L1) after every other program's stores."""
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == NV - 1:
+        r = tl.arange(0, BDV)
+        m = r < DV
+        dt = row_ptr.dtype.element_ty
+        x = tl.load(row_ptr + r, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y = _gated_norm(x, z_row, w_ptr, r, m, eps, DV, dt)
+        tl.store(row_ptr + r, y.to(dt), mask=m)
+        tl.store(cnt_ptr, 0)
+
+
+@triton.jit
 def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, o_ptr, slots_ptr,
                          seq_lens_ptr, qsl_ptr, stride_qk, stride_v, stride_ab, stride_o, scale,
-                         z_ptr, nw_ptr, stride_z, norm_eps,
+                         z_ptr, nw_ptr, stride_z, norm_eps, cnt_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, SINGLE_ONLY: tl.constexpr,
-                         PDL: tl.constexpr = False, BT: tl.constexpr = 64, NORM: tl.constexpr = False):
-    # grid: (S, HV, cdiv(DV, BV)); one value head's [DK, BV] state slice per program.
-    # NORM (BV >= DV: the program owns the head's whole output row): the gated RMSNorm of the
-    # output (gated_rms_norm_kernel's formula on the rounded o) before the store, o_ptr then
-    # receiving rms_norm(o) * nw * silu(z); z: [T, HV * DV] rows strided, nw: [DV]
+                         PDL: tl.constexpr = False, BT: tl.constexpr = 64, NORM: tl.constexpr = False,
+                         BDV: tl.constexpr = 0):
+    # grid: (S, HV, cdiv(DV, BV)); one value head's [DK, BV] state slice per program (every step
+    # of the rule is separable over the value columns; on a GPU the sums over DK may still reduce
+    # in another order per tile and warps, so a launch's BV and warps are part of its bits: the
+    # decode and mixed buckets launch the same ones).
+    # NORM: the gated RMSNorm of the output (gated_rms_norm_kernel's formula on the rounded o)
+    # before the store, o_ptr then receiving rms_norm(o) * nw * silu(z); z: [T, HV * DV] rows
+    # strided, nw: [DV], BDV = next_pow2(DV). With BV >= DV the program holds the row and norms
+    # it in registers; with NV = cdiv(DV, BV) > 1 programs a head, the last of a (token, head) to
+    # store its columns norms the row (_norm_if_last) on the counter cnt_ptr[t * HV + h] (i32
+    # [T, HV], zero at the start)
     # SINGLE_ONLY: only the tokens alone in their BT-window at the end of this step's chunk: the
     # one-token sequences (a prefill bucket's decodes) and the last token of a longer sequence
     # that starts a new window (the chunked kernel, launched before, leaves it and the state
     # before it in the slot). So a token alone in its window takes this kernel's bits whether
     # it is a decode, a prompt's last token prefilled in one step, or a one-token prefill chunk
     pdl_enter(PDL)  # before any global access (pdl.py)
+    NV: tl.constexpr = (DV + BV - 1) // BV
     s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
@@ -135,9 +164,12 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
     rk = tl.arange(0, BK)
     rv = vb * BV + tl.arange(0, BV)
     mk, mv = rk < DK, rv < DV
-    sp = state_ptr + slot * (HV * DK * DV) + h * (DK * DV) + rk[:, None] * DV + rv[None, :]
+    # i32 offsets from a scalar base (int64 pointers to the whole tile, live from the load to the
+    # store, would hold 2 registers an element)
+    sbase = state_ptr + slot * (HV * DK * DV) + h * (DK * DV)
+    soff = rk[:, None] * DV + rv[None, :]
     smask = mk[:, None] & mv[None, :]
-    S = tl.load(sp, mask=smask & (ctx > 0) & (slot >= 0), other=0.0).to(tl.float32)
+    S = tl.load(sbase + soff, mask=smask & (ctx > 0) & (slot >= 0), other=0.0).to(tl.float32)
     A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     for t64 in range(q0.to(tl.int64), q1.to(tl.int64)):
@@ -151,12 +183,16 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
         u = tl.sum(S * k[:, None], 0)
         S = S + k[:, None] * (beta * (v - u))[None, :]
         o = tl.sum(S * q[:, None], 0)
-        if NORM:
+        row = o_ptr + t64 * stride_o + h * DV
+        if NORM and NV == 1:
             o = _gated_norm(o, z_ptr + t64 * stride_z + h * DV, nw_ptr, rv, mv, norm_eps, DV,
                             o_ptr.dtype.element_ty)
-        tl.store(o_ptr + t64 * stride_o + h * DV + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        tl.store(row + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if NORM and NV > 1:
+            _norm_if_last(cnt_ptr + t64 * HV + h, row, z_ptr + t64 * stride_z + h * DV, nw_ptr, norm_eps, DV,
+                          BDV, NV)
     if slot >= 0:
-        tl.store(sp, S, mask=smask)
+        tl.store(sbase + soff, S, mask=smask)
 
 
 @triton.jit
@@ -290,8 +326,8 @@ def sigmoid_mul_kernel(x_ptr, gate_ptr, y_ptr, add_ptr, n_rows_ptr, stride_gt, s
 # (codegen/lower.py records launches over symbolic pointers; outputs given).
 
 def _meta(x) -> Buf:
-    """A step-input i32 vector: a Buf as it is, anything else as a host i32 array."""
-    return x if isinstance(x, Buf) else as_buf(np.ascontiguousarray(x, dtype=np.int32))
+    """A step-input i32 vector: a Buf or a device tensor as it is, anything else as a host i32 array."""
+    return x if isinstance(x, Buf) or not is_host(x) else as_buf(np.ascontiguousarray(x, dtype=np.int32))
 
 
 def _out(out, shape, like) -> Buf:
@@ -334,25 +370,37 @@ def causal_conv1d(x, w, state, seq_lens, query_start_loc, state_slots, out=None,
     return _unwrap(y)
 
 
+# The recurrent (decode) kernel's default launch: a head's value columns in DV / BV programs.
+# One program per head (BV = DV = 128, 4 warps: the fused norm's old launch) took 255 registers and
+# spilled ~670 bytes a thread (ptxas, sm_90; 8 warps the same), and at batch 1 left 100 of 132 SMs
+# idle (32-48 heads): 12.4 us a layer on the H200 for 4 MB of state traffic. [128, 32] on 4 warps:
+# 128 registers, no spills, 4 programs a head (so [128, 8] on 1 warp; vLLM's
+# fla/ops/fused_recurrent.py fused_recurrent_gated_delta_rule_fwd takes BV = min(V, 8) on 1 warp).
+# The same arithmetic for every BV (equal bits under the interpreter; the fused norm sums the whole
+# row in one program either way: _norm_if_last); on a GPU the dk sums' order may follow the tile.
+RECURRENT_BV, RECURRENT_WARPS = 32, 4
+
+
 def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: tuple[str, str, str], *,
-             block_v: int, mixed: bool = False, chunk: int = CHUNK, norm: bool = False) -> KernelSpec:
+             block_v: int, mixed: bool = False, chunk: int = CHUNK, norm: bool = False,
+             num_warps: int | None = None) -> KernelSpec:
     """form "recurrent" (decode; in a mixed bucket only its one-token sequences) or "chunked"
     (prefill; in a mixed bucket not the one-token sequences). dtypes: (q/k, v/out, a/b).
-    norm (recurrent only): the gated RMSNorm fused, a program per whole head (BV = DV)."""
+    norm (recurrent only): the gated RMSNorm fused (split heads: the last program of a row norms it)."""
     qk, v, ab = (sig_type(d) for d in dtypes)
     sig = dict(q_ptr=qk, k_ptr=qk, v_ptr=v, a_ptr=ab, b_ptr=ab, alog_ptr="*fp32", dtb_ptr="*fp32",
                state_ptr="*fp32", o_ptr=v, slots_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", stride_qk="i32",
                stride_v="i32", stride_ab="i32", stride_o="i32", scale="fp32")
-    bv = next_pow2(dv) if norm else min(block_v, next_pow2(dv))
+    bv = min(block_v, next_pow2(dv))
     cx = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk), BV=bv)
     if form == "recurrent":
-        sig.update(z_ptr=v, nw_ptr=v, stride_z="i32", norm_eps="fp32")
-        cx.update(SINGLE_ONLY=mixed, BT=chunk, NORM=norm)
-        kernel, warps = "gdn_recurrent_kernel", 4
+        sig.update(z_ptr=v, nw_ptr=v, stride_z="i32", norm_eps="fp32", cnt_ptr="*i32")
+        cx.update(SINGLE_ONLY=mixed, BT=chunk, NORM=norm, BDV=next_pow2(dv))
+        kernel, warps = "gdn_recurrent_kernel", num_warps or 4
     elif form == "chunked":
         check(not norm, "gdn: the chunked form has no fused norm (its value blocks split a head)")
         cx.update(BT=chunk, SKIP_SINGLE=mixed)
-        kernel, warps = "gdn_chunked_kernel", 8
+        kernel, warps = "gdn_chunked_kernel", num_warps or 8
     else:
         raise ValueError(f"gdn_spec: form {form!r}")
     return KernelSpec(module=__name__, kernel=kernel, signature=sig, constexprs=cx, grid=(n_seq, hv, cdiv(dv, bv)),
@@ -360,7 +408,7 @@ def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: 
 
 
 def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out, *, scale,
-         block_v, mixed, norm=None):
+         block_v, mixed, norm=None, counter=None, num_warps=None):
     q, k, v, a, b, state = map(as_buf, (q, k, v, a, b, state))
     t, hv, dv = shape_of(v)
     check(shape_of(q) == shape_of(k) and len(shape_of(q)) == 3, "gdn: q and k must be [T, Hk, dk] alike")
@@ -374,14 +422,14 @@ def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, 
     check(shape_of(o) == (t, hv, dv) and strides_of(o) == (hv * dv, dv, 1), "gdn: out must be a packed [T, Hv, dv]")
     seq_lens = _meta(seq_lens)
     spec = gdn_spec(form, shape_of(seq_lens)[0], hk, hv, dk, dv, (dtype_name(q), dtype_name(v), dtype_name(a)),
-                    block_v=block_v, mixed=mixed, norm=norm is not None)
-    f32 = lambda x: x if isinstance(x, Buf) else as_buf(np.ascontiguousarray(x, np.float32))
+                    block_v=block_v, mixed=mixed, norm=norm is not None, num_warps=num_warps)
+    f32 = lambda x: x if isinstance(x, Buf) or not is_host(x) else as_buf(np.ascontiguousarray(x, np.float32))
     args = [q, k, v, a, b, f32(a_log), f32(dt_bias), state, o, _meta(state_slots), seq_lens,
             _meta(query_start_loc), strides_of(q)[0], strides_of(v)[0], strides_of(a)[0], hv * dv,
             float(dk ** -0.5 if scale is None else scale)]
     if form == "recurrent":
         if norm is None:  # unused by the kernel (NORM off): any buffer of the dtype will do
-            args += [o, o, 0, 0.0]
+            args += [o, o, 0, 0.0, seq_lens]
         else:
             z, w, eps = as_buf(norm[0]), as_buf(norm[1]), norm[2]
             check(shape_of(w) == (dv,) and dtype_name(w) == dtype_name(v) == dtype_name(z), "gdn norm: w [dv], dtypes")
@@ -389,18 +437,27 @@ def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, 
                   and (len(shape_of(z)) == 2 or strides_of(z)[1] == dv),
                   "gdn norm: z must be [T, Hv * dv] (rows strided, heads packed)")
             args += [z, w, strides_of(z)[0], float(eps)]
+            if spec.grid[2] == 1:
+                args.append(seq_lens)  # unused: the program holds its row whole
+            else:
+                cnt = as_buf(np.zeros((t, hv), np.int32)) if counter is None else as_buf(counter)
+                check(tuple(shape_of(cnt)) == (t, hv) and dtype_name(cnt) == "int32",
+                      "gdn norm: counter must be i32 [T, Hv] (zero; the kernel leaves it zero)")
+                args.append(cnt)
     launch(spec, args)
     return _unwrap(o)
 
 
 def gdn_recurrent(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out=None, *,
-                  scale: float | None = None, block_v: int = 32, mixed: bool = False, norm=None):
+                  scale: float | None = None, block_v: int = RECURRENT_BV, mixed: bool = False, norm=None,
+                  counter=None, num_warps: int = RECURRENT_WARPS):
     """The fused gates + l2 norms + gated delta rule, token by token (decode). q, k: [T, Hk, dk]
     (raw, after the conv; q's norm scaled by `scale`, dk^-0.5 by default), v: [T, Hv, dv], a, b:
     [T, Hv]; state: f32 [NS, Hv, dk, dv] in place. mixed: only the one-token sequences.
-    norm: (z, w, eps): out gets gated_rms_norm(o, z, w) instead of o (a program per head)."""
+    norm: (z, w, eps): out gets gated_rms_norm(o, z, w) instead of o; where block_v splits a head,
+    counter: i32 [T, Hv], zero (left zero; a fresh one if not given: the interpreter)."""
     return _gdn("recurrent", q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out,
-                scale=scale, block_v=block_v, mixed=mixed, norm=norm)
+                scale=scale, block_v=block_v, mixed=mixed, norm=norm, counter=counter, num_warps=num_warps)
 
 
 def gdn_chunked(q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out=None, *,

@@ -136,18 +136,23 @@ def _norm_inputs(rng, t):
     return z, w
 
 
+@pytest.mark.parametrize("block_v", [8, DV])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_recurrent_kernel_with_the_gated_norm_gives_the_unfused_bits(rng, batch):
+def test_recurrent_kernel_with_the_gated_norm_gives_the_unfused_bits(rng, batch, block_v):
     """fold_gdn_norm's decode launch: the recurrent kernel norming each head's output row before
     the store equals the recurrent kernel then gated_rms_norm bit for bit (state too), and the
-    reference composition within bf16 tolerance."""
+    reference composition within bf16 tolerance. block_v 8: a head's 32 columns in 4 programs, the
+    last of each (token, head) to count in on the counter norming the row (which it leaves zero);
+    block_v DV: one program holds the row."""
     seq_lens, qsl, slots = _batch(*BATCHES[batch])
     t = int(qsl[-1])
     ins = _gdn_inputs(rng, BF16, t)
     z, w = _norm_inputs(rng, t)
     state = (rng.standard_normal((4, HV, DK, DV)) * 0.3).astype(np.float32)
     two, ref_state = state.copy(), state.copy()
-    fused = gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, norm=(z, w, 1e-6))
+    counter = np.zeros((t, HV), np.int32)
+    fused = gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, norm=(z, w, 1e-6), block_v=block_v, counter=counter)
+    assert not counter.any()
     o = gdn.gdn_recurrent(*ins, two, seq_lens, qsl, slots, block_v=16)
     unfused = gdn.gated_rms_norm(o, z, w, eps=1e-6)
     assert np.array_equal(fused.view(np.uint16), unfused.view(np.uint16)) and np.array_equal(state, two)
@@ -156,7 +161,8 @@ def test_recurrent_kernel_with_the_gated_norm_gives_the_unfused_bits(rng, batch)
     assert_close(fused, ref, rtol=3e-2, what="gdn recurrent + gated norm")
 
 
-def test_mixed_bucket_with_the_gated_norm_gives_decode_tokens_the_decode_bits(rng):
+@pytest.mark.parametrize("block_v", [8, DV])
+def test_mixed_bucket_with_the_gated_norm_gives_decode_tokens_the_decode_bits(rng, block_v):
     """The mixed bucket's launches of fused_gated_delta_rule_norm (codegen/lower.py): chunked,
     the norm over every row in place, recurrent with the norm for the one-token sequences.
     Together the reference's numbers; the decode token's row is the decode launch's bits."""
@@ -169,7 +175,7 @@ def test_mixed_bucket_with_the_gated_norm_gives_decode_tokens_the_decode_bits(rn
     out = np.full((t, HV, DV), np.nan, BF16)
     gdn.gdn_chunked(*ins, state, seq_lens, qsl, slots, out, block_v=16, mixed=True)
     gdn.gated_rms_norm(out, z, w, out, eps=1e-6)
-    gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, out, mixed=True, norm=(z, w, 1e-6))
+    gdn.gdn_recurrent(*ins, state, seq_lens, qsl, slots, out, mixed=True, norm=(z, w, 1e-6), block_v=block_v)
     o_ref = _reference(*ins, ref_state, seq_lens, qsl, slots, recurrent=False)
     ref = gdn_ops.gated_rms_norm(o_ref, z.reshape(t, HV, DV), w, eps=1e-6)
     assert_close(out, ref, rtol=3e-2, what="mixed bucket output, normed")
@@ -178,7 +184,7 @@ def test_mixed_bucket_with_the_gated_norm_gives_decode_tokens_the_decode_bits(rn
     t0 = int(qsl[d])
     one = [x[t0:t0 + 1] for x in ins[:5]]
     alone = gdn.gdn_recurrent(*one, *ins[5:], alone_state, seq_lens[d:d + 1], np.array([0, 1], np.int32),
-                              slots[d:d + 1], norm=(z[t0:t0 + 1], w, 1e-6))
+                              slots[d:d + 1], norm=(z[t0:t0 + 1], w, 1e-6), block_v=block_v)
     assert np.array_equal(alone.view(np.uint16), out[t0:t0 + 1].view(np.uint16))
 
 
