@@ -42,12 +42,15 @@ def causal_conv1d_kernel(x_ptr, w_ptr, state_ptr, y_ptr, slots_ptr, seq_lens_ptr
     # grid: (S, cdiv(C, BLOCK)); x, y: [T, C]; w: [C, 1, KW]; state: [NS, C, KW - 1]; KW <= 4
     pdl_enter(PDL)  # before any global access (pdl.py)
     s, pid = tl.program_id(0), tl.program_id(1)
+    # the sequence's step inputs all at once, before the early exit (a load after the branch
+    # is not issued before it: one more round trip on a decode's chain of dependent loads)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
+    seq_len = tl.load(seq_lens_ptr + s)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
     if q1 <= q0:
         return
-    ctx = tl.load(seq_lens_ptr + s) - (q1 - q0)
-    slot = tl.load(slots_ptr + s).to(tl.int64)
+    ctx = seq_len - (q1 - q0)
     c = pid * BLOCK + tl.arange(0, BLOCK)
     m = c < C
     w_last = tl.load(w_ptr + c * KW + (KW - 1), mask=m, other=0.0).to(tl.float32)
@@ -149,17 +152,22 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
     pdl_enter(PDL)  # before any global access (pdl.py)
     NV: tl.constexpr = (DV + BV - 1) // BV
     s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the sequence's step inputs and the head's gate parameters all at once, before the early
+    # exits (a load after a branch is not issued before it: two more round trips before the
+    # state's load, on a decode's chain of dependent loads)
     q0 = tl.load(qsl_ptr + s)
     q1 = tl.load(qsl_ptr + s + 1)
+    seq_len = tl.load(seq_lens_ptr + s)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
     if q1 <= q0:
         return
-    seq_len = tl.load(seq_lens_ptr + s)
     if SINGLE_ONLY and q1 - q0 != 1:
         if seq_len % BT != 1:
             return
         q0 = q1 - 1
     ctx = seq_len - (q1 - q0)
-    slot = tl.load(slots_ptr + s).to(tl.int64)
     kh = h // (HV // HK)  # value head h reads key head h // r (repeat_interleave)
     rk = tl.arange(0, BK)
     rv = vb * BV + tl.arange(0, BV)
@@ -170,8 +178,6 @@ def gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
     soff = rk[:, None] * DV + rv[None, :]
     smask = mk[:, None] & mv[None, :]
     S = tl.load(sbase + soff, mask=smask & (ctx > 0) & (slot >= 0), other=0.0).to(tl.float32)
-    A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
     for t64 in range(q0.to(tl.int64), q1.to(tl.int64)):
         q = tl.load(q_ptr + t64 * stride_qk + kh * DK + rk, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t64 * stride_qk + kh * DK + rk, mask=mk, other=0.0).to(tl.float32)
@@ -393,10 +399,14 @@ def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: 
                stride_v="i32", stride_ab="i32", stride_o="i32", scale="fp32")
     bv = min(block_v, next_pow2(dv))
     cx = dict(HK=hk, HV=hv, DK=dk, DV=dv, BK=next_pow2(dk), BV=bv)
+    div = ()
     if form == "recurrent":
         sig.update(z_ptr=v, nw_ptr=v, stride_z="i32", norm_eps="fp32", cnt_ptr="*i32")
         cx.update(SINGLE_ONLY=mixed, BT=chunk, NORM=norm, BDV=next_pow2(dv))
         kernel, warps = "gdn_recurrent_kernel", num_warps or 4
+        # 16-byte aligned in every plan (a state's region, an arena tensor, the step inputs, the
+        # counters' region): without the hint the state tile moved 4 bytes a load (ptxas, sm_90)
+        div = ("state_ptr", "o_ptr", "slots_ptr", "seq_lens_ptr", "qsl_ptr", "cnt_ptr")
     elif form == "chunked":
         check(not norm, "gdn: the chunked form has no fused norm (its value blocks split a head)")
         cx.update(BT=chunk, SKIP_SINGLE=mixed)
@@ -404,7 +414,7 @@ def gdn_spec(form: str, n_seq: int, hk: int, hv: int, dk: int, dv: int, dtypes: 
     else:
         raise ValueError(f"gdn_spec: form {form!r}")
     return KernelSpec(module=__name__, kernel=kernel, signature=sig, constexprs=cx, grid=(n_seq, hv, cdiv(dv, bv)),
-                      num_warps=warps, num_stages=1)
+                      num_warps=warps, num_stages=1, divisible=div)
 
 
 def _gdn(form, q, k, v, a, b, a_log, dt_bias, state, seq_lens, query_start_loc, state_slots, out, *, scale,
