@@ -284,7 +284,8 @@ def cpu_executor(graph: Graph, source: ModelSource, *, num_blocks: int, num_stat
             try:
                 ex = CompiledCpuExecutor(graph, source.weights.get, num_blocks=num_blocks,
                                          num_state_slots=num_state_slots,
-                                         load_quantized=_quantized_loader(source.weights))
+                                         load_quantized=_quantized_loader(source.weights),
+                                         load_stored=lambda name: source.weights.get(name, keep_dtype=True))
             except NotCompilable as e:
                 note = f"{e}: running this model on the numpy CPU target"
             else:

@@ -87,6 +87,8 @@ def gemv(w: PackedWeight, x: np.ndarray, y: np.ndarray, T: int) -> None:
         run_sized(work, K.gemv_q4, x, w.q, w.d, w.m, y, T)
     elif w.kind == "q8":
         run_sized(work, K.gemv_q8, x, w.q, w.d, y, T)
+    elif w.kind == "bf16":
+        run_sized(work, K.gemv_bf16, x, w.q, y, T)
     else:
         run_sized(work, K.gemv_f32, x, w.q, y, T)
 
@@ -97,6 +99,8 @@ def dequant_t(w: PackedWeight, out: np.ndarray) -> None:
         K.dequant_q4_t(w.q, w.d, w.m, w.offset, out)
     elif w.kind == "q8":
         K.dequant_q8_t(w.q, w.d, out)
+    elif w.kind == "bf16":
+        K.dequant_bf16_t(w.q, out)
     else:
         K.dequant_f32_t(w.q, out)
 
@@ -107,6 +111,8 @@ def dequant_rows(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
         K.dequant_q4_rows(w.q, w.d, w.m, w.offset, rows, out)
     elif w.kind == "q8":
         K.dequant_q8_rows(w.q, w.d, rows, out)
+    elif w.kind == "bf16":
+        K.dequant_bf16_rows(w.q, rows, out)
     else:
         K.dequant_f32_rows(w.q, rows, out)
 

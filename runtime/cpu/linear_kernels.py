@@ -101,6 +101,29 @@ def gemv_f32(x, q, y, T):
                 y[t, g * R + r] = acc[t, r]
 
 
+@njit(parallel=True, fastmath=FM, cache=True)
+def gemv_bf16(x, q, y, T):
+    """x: f32 [>=T, K]; q: u16 [G, K, R] bf16 bit patterns -> y[:T, :N]: gemv_f32's sums over the
+    weights widened exactly (a bf16 is the high half of its f32), each k's R weights widened once
+    into a buffer seen as u32 and as f32"""
+    G, K, R = q.shape
+    N = y.shape[1]
+    for g in prange(G):
+        acc = np.zeros((T, R), np.float32)
+        w = np.empty(R, np.float32)
+        wb = w.view(np.uint32)
+        for k in range(K):
+            for r in range(R):
+                wb[r] = np.uint32(q[g, k, r]) << np.uint32(16)
+            for t in range(T):
+                x0 = x[t, k]
+                for r in range(R):
+                    acc[t, r] += x0 * w[r]
+        for t in range(T):
+            for r in range(min(R, N - g * R)):
+                y[t, g * R + r] = acc[t, r]
+
+
 # -- dequantisation: K-major [K, N] for BLAS (x @ wt), and chosen rows [n, K] ------------------
 
 @njit(parallel=True, cache=True)
@@ -141,6 +164,19 @@ def dequant_f32_t(q, out):
                 out[k, g * R + r] = q[g, k, r]
 
 
+@njit(parallel=True, cache=True)
+def dequant_bf16_t(q, out):
+    G, K, R = q.shape
+    for g in prange(G):
+        w = np.empty(R, np.float32)
+        wb = w.view(np.uint32)
+        for k in range(K):
+            for r in range(R):
+                wb[r] = np.uint32(q[g, k, r]) << np.uint32(16)
+            for r in range(R):
+                out[k, g * R + r] = w[r]
+
+
 @njit(cache=True)
 def dequant_q4_rows(q, d, m, offset, rows, out):
     """out[i, :] = row rows[i] (an embedding lookup); bit-exact to gguf-py"""
@@ -177,6 +213,18 @@ def dequant_f32_rows(q, rows, out):
         g, r = rows[i] // R, rows[i] % R
         for k in range(K):
             out[i, k] = q[g, k, r]
+
+
+@njit(cache=True)
+def dequant_bf16_rows(q, rows, out):
+    _, K, R = q.shape
+    w = np.empty(1, np.float32)
+    wb = w.view(np.uint32)
+    for i in range(rows.shape[0]):
+        g, r = rows[i] // R, rows[i] % R
+        for k in range(K):
+            wb[0] = np.uint32(q[g, k, r]) << np.uint32(16)
+            out[i, k] = w[0]
 
 
 # -- activations quantised to q8_1 blocks (KILN_CPU_ACT_QUANT=q8_1; linear.py says when) -------

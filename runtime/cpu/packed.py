@@ -11,7 +11,9 @@ output row; no horizontal sums, kernels.py says why that matters under numba):
                                          each 32-value sub-block, as gguf-py computes them)
     q8:  codes i8 [G, nb, gs, R], d: f32 [G, nb, R]; value = q * d  (Q8_0: gs 32; Q6_K: gs 16,
          d = d * scale, its 6-bit codes stored in a byte: 8 bits a weight where the file has 6.56)
-    f32: [G, K, R]                      (float checkpoints; bf16/f16 widened exactly)
+    bf16: u16 [G, K, R]                 (bf16 checkpoints: the 16-bit patterns, widened to f32 in the
+                                         kernels, exact; half the bytes a GEMV streams of f32 tiles)
+    f32: [G, K, R]                      (other float checkpoints; f16 widened exactly)
 
 Scales are the file's f16 (or f16 x int8 product, rounded to f32 as gguf-py does) widened to f32,
 which is exact, so dequantising a packed weight gives gguf-py's `dequantize` bit for bit
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 R = 64  # output rows per tile: 8 AVX2 lanes x 8 registers of accumulators
@@ -34,7 +37,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 3
 
 @dataclass
 class PackedWeight:
-    kind: str  # "q4", "q8" or "f32"
+    kind: str  # "q4", "q8", "bf16" or "f32"
     n: int  # logical output rows
     k: int  # input columns
     q: np.ndarray
@@ -117,6 +120,9 @@ def pack_gguf(type_name: str, raw: np.ndarray, k: int) -> PackedWeight:
 
 
 def pack_float(w: np.ndarray, source: str = "F32") -> PackedWeight:
-    """A float [N, K] weight (f32, or anything that widens to f32 exactly) in f32 tiles."""
+    """A float [N, K] weight: bf16 kept as its bit patterns in bf16 tiles, anything else that widens
+    to f32 exactly (f32, f16) in f32 tiles."""
     n, k = w.shape
+    if w.dtype == ml_dtypes.bfloat16:
+        return PackedWeight("bf16", n, k, _tile(np.ascontiguousarray(w).view(np.uint16), -n % R), source=source)
     return PackedWeight("f32", n, k, _tile(np.asarray(w, np.float32), -n % R), source=source)

@@ -85,7 +85,7 @@ def _linear_kernels(w: PackedWeight, act_quant: str = "") -> tuple:
     if w.kind == "q4" and act_quant == "q8_1":
         return LK.gemv_q4_q8, LK.quantize_q8_1, LK.dequant_q4_t
     return {"q4": (LK.gemv_q4, LK.dequant_q4_t), "q8": (LK.gemv_q8, LK.dequant_q8_t),
-            "f32": (LK.gemv_f32, LK.dequant_f32_t)}[w.kind]
+            "bf16": (LK.gemv_bf16, LK.dequant_bf16_t), "f32": (LK.gemv_f32, LK.dequant_f32_t)}[w.kind]
 
 
 class Plan:
@@ -358,4 +358,5 @@ def _rows(ctx: StepContext, sym: str) -> int:
 
 
 def _kernel_of_rows(w: PackedWeight) -> tuple:
-    return ({"q4": LK.dequant_q4_rows, "q8": LK.dequant_q8_rows, "f32": LK.dequant_f32_rows}[w.kind],)
+    return ({"q4": LK.dequant_q4_rows, "q8": LK.dequant_q8_rows, "bf16": LK.dequant_bf16_rows,
+             "f32": LK.dequant_f32_rows}[w.kind],)

@@ -14,10 +14,11 @@ import os
 import time
 from typing import Callable, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from kiln.errors import ConfigError, InvalidModelError
-from kiln.graph import Graph
+from kiln.graph import Graph, to_numpy
 from kiln.graph.layout import stack_parts
 from kiln.runtime.cpu.linear import GEMM_MIN_TOKENS
 from kiln.runtime.cpu.packed import BLOCKS, PackedWeight, pack_float, pack_gguf
@@ -114,7 +115,7 @@ class ThreadChooser:
 
 class CompiledCpuExecutor:
     def __init__(self, graph: Graph, load_weight: WeightLoader, num_blocks: int, num_state_slots: int = 0,
-                 load_quantized: QuantizedLoader | None = None) -> None:
+                 load_quantized: QuantizedLoader | None = None, load_stored: WeightLoader | None = None) -> None:
         graph.verify()
         check_graph(graph)  # NotCompilable before any weight is read
         import numba
@@ -131,7 +132,7 @@ class CompiledCpuExecutor:
         packed |= {n.inputs[1] for n in graph.nodes.values() if n.op == "embedding"}
         self.weights: dict[str, PackedWeight | np.ndarray] = {}
         for t in graph.weights:
-            self.weights[t.name] = (self._pack(t, load_weight, load_quantized) if t.name in packed
+            self.weights[t.name] = (self._pack(t, load_stored or load_weight, load_quantized) if t.name in packed
                                     else CpuExecutor._load(t, load_weight))
         dims = {"NB": num_blocks}
         self.states = {t.name: committed_zeros(t.concrete_shape(dims), np.float32) for t in graph.states}
@@ -144,6 +145,7 @@ class CompiledCpuExecutor:
 
     @staticmethod
     def _pack(t, load_weight: WeightLoader, load_quantized: QuantizedLoader | None) -> PackedWeight:
+        """load_weight: the stored dtype where the caller can give it (a bf16 weight stays bf16)"""
         names = [p for p, _ in t.parts] or [t.name]
         raws = [load_quantized(p) for p in names] if load_quantized else [None]
         kinds = {r[0] if r else None for r in raws}
@@ -153,8 +155,11 @@ class CompiledCpuExecutor:
             if raw.shape[0] != t.shape[0]:
                 raise InvalidModelError(f"weight {t.name!r} has {raw.shape[0]} rows, the config implies {t.shape[0]}")
             return pack_gguf(kind, raw, int(t.shape[1]))
-        # float checkpoints, other GGUF block types, or parts stored in different types: f32 tiles
-        return pack_float(CpuExecutor._load(t, load_weight), source=",".join(sorted(str(k) for k in kinds)))
+        # float checkpoints, other GGUF block types, or parts stored in different types: bf16 as
+        # stored (widened in the kernels), anything else in f32 tiles
+        stored = CpuExecutor._load_stored(t, load_weight)
+        w = stored if stored.dtype == ml_dtypes.bfloat16 else np.ascontiguousarray(stored, dtype=to_numpy(t.dtype))
+        return pack_float(w, source=",".join(sorted(str(k) for k in kinds)))
 
     @property
     def weight_bytes(self) -> int:

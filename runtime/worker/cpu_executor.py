@@ -54,6 +54,11 @@ class CpuExecutor:
 
     @staticmethod
     def _load(t, load_weight: WeightLoader) -> np.ndarray:
+        return np.ascontiguousarray(CpuExecutor._load_stored(t, load_weight), dtype=to_numpy(t.dtype))
+
+    @staticmethod
+    def _load_stored(t, load_weight: WeightLoader) -> np.ndarray:
+        """A weight as the checkpoint stores it (its parts stacked), shape-checked."""
         try:
             # a stacked weight (passes/merge_parallel_linears.py) is its parts along axis 0, in
             # groups of t.interleave rows where the SwiGLU fusion asked (graph/layout.py)
@@ -64,7 +69,7 @@ class CpuExecutor:
         if tuple(arr.shape) != tuple(t.shape):
             raise InvalidModelError(f"weight {t.name!r} has shape {list(arr.shape)}, "
                                     f"the config implies {list(t.shape)}")
-        return np.ascontiguousarray(arr, dtype=to_numpy(t.dtype))
+        return arr
 
     def _compute_last_use(self) -> dict[str, list[str]]:
         """node name -> activations that die after it."""

@@ -55,6 +55,19 @@ def test_tiny_models_match_numpy(tmp_path, variant):
     agree(lm, 1e-5)
 
 
+def test_bf16_checkpoint_keeps_its_bf16_weights(tmp_path):
+    """A bf16 safetensors checkpoint's linears stay bf16 in memory (half the bytes of f32 tiles),
+    widened exactly in the kernels: the numpy executor's logits on the same weights."""
+    import torch
+
+    make_tiny_model(tmp_path, "qwen3_qknorm", dtype=torch.bfloat16)
+    lm = load(tmp_path, kv_cache_tokens=256, tokenizer=False)
+    assert isinstance(lm.executor, CompiledCpuExecutor)
+    kinds = {getattr(w, "kind", None) for w in lm.executor.weights.values()}
+    assert "bf16" in kinds and "f32" not in kinds, kinds
+    agree(lm, 1e-5)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     return load(smollm2_gguf, kv_cache_tokens=256, tokenizer=False)

@@ -7,6 +7,7 @@ kiln's own numpy reference of the blocks (graph/gguf_blocks.py) where it is pres
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -53,14 +54,38 @@ def test_dequantise_is_bit_exact(qtype):
         assert np.array_equal(got_t[:, :n].T.view(np.uint32), ref.view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype", sorted(BLOCKS) + ["F32"])
+def test_bf16_stays_bf16_and_widens_exactly():
+    """A bf16 weight is packed as its 16-bit patterns (half the bytes of f32 tiles) and every
+    kernel that reads it sees the exactly widened f32 value: dequantised rows and the K-major copy
+    equal numpy's widening bit for bit, NaN and infinities included."""
+    rng = np.random.default_rng(21)
+    n, k = 2 * R + 7, 96
+    wb = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+    wb[0, :3] = [np.inf, -np.inf, np.nan]
+    w = pack_float(wb)
+    assert w.kind == "bf16" and w.q.dtype == np.uint16
+    assert w.nbytes * 2 == pack_float(wb.astype(np.float32)).nbytes
+    ref = wb.astype(np.float32)
+    rows = rng.permutation(n).astype(np.int32)
+    got_rows = np.empty((n, k), np.float32)
+    L.dequant_rows(w, rows, got_rows)
+    got_t = np.empty((k, w.q.shape[0] * R), np.float32)
+    L.dequant_t(w, got_t)
+    assert np.array_equal(got_rows.view(np.uint32), ref[rows].view(np.uint32))
+    assert np.array_equal(got_t[:, :n].T.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS) + ["F32", "BF16"])
 def test_linear_matches_the_reference_on_both_paths(qtype):
     """T below the switch runs the compiled GEMV, T at or above it dequantise + BLAS."""
     rng = np.random.default_rng(10 + len(qtype))
     n, k = R + 24, 256
-    if qtype == "F32":
+    if qtype in ("F32", "BF16"):
         ref_w = rng.standard_normal((n, k)).astype(np.float32)
+        if qtype == "BF16":
+            ref_w = ref_w.astype(ml_dtypes.bfloat16)
         w = pack_float(ref_w)
+        ref_w = ref_w.astype(np.float32)
     else:
         raw = random_blocks(rng, qtype, n, k)
         ref_w = oracles(raw, qtype, n, k)[0]
@@ -75,12 +100,13 @@ def test_linear_matches_the_reference_on_both_paths(qtype):
         assert err < 2e-6, (qtype, T, err)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "F32"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "F32", "BF16"])
 def test_gemv_rows_do_not_depend_on_the_batch(qtype):
     """A token's outputs are the same bits alone or among others (below the BLAS switch)."""
     rng = np.random.default_rng(3)
     n, k = R, 128
-    w = pack_float(rng.standard_normal((n, k)).astype(np.float32)) if qtype == "F32" else \
+    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
+    w = pack_float(rng.standard_normal((n, k)).astype(dt[qtype])) if qtype in dt else \
         pack_gguf(qtype, random_blocks(rng, qtype, n, k), k)
     x = rng.standard_normal((L.GEMM_MIN_TOKENS - 1, k)).astype(np.float32)
     batched = np.empty((len(x), n), np.float32)
