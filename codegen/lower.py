@@ -206,6 +206,8 @@ class _Lowerer:
                 if fn is None:
                     raise LoweringError(f"no GPU kernel for op {node.op!r} (node {node.name})")
                 fn(node)
+        if self.moe_pending:  # a deferred rank-order sum no shared-expert launch ran: the layer's output never written
+            raise LoweringError(f"MoE sums never launched for {sorted(self.moe_pending)}")
         return launches
 
     # -- one method per op -------------------------------------------------------------
