@@ -22,7 +22,7 @@ from kiln.graph import DType, Graph
 from kiln.models.config import ModelConfig
 from kiln.models.fp8_weights import check_weight_dtypes
 from kiln.models.gguf_quant import load_report, without_blocks
-from kiln.models.quant_config import check_quantization_name, resolve_quantization
+from kiln.models.quant_config import QUANTIZATION_METHODS, check_quantization_name, resolve_quantization  # noqa: F401 (QUANTIZATION_METHODS: for server/entrypoints, which may not import models)
 from kiln.models.registry import get_graph_builder
 from kiln.models.source import ModelSource, open_model, read_hf_config
 from kiln.passes.pipeline import default_passes, run_pipeline

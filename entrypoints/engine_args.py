@@ -52,7 +52,7 @@ class EngineArgs:
         from kiln.graph.dtype import kv_cache_dtype
 
         kv_cache_dtype(self.kv_cache_dtype)  # an unknown name fails here, before anything loads
-        from kiln.models.quant_config import check_quantization_name
+        from kiln.loader import check_quantization_name
 
         check_quantization_name(self.quantization)  # likewise (awq, gptq, ...: one sentence)
         tp = self.tensor_parallel_size

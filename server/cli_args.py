@@ -53,7 +53,7 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_quantization_argument(p: argparse.ArgumentParser) -> None:
-    from kiln.models.quant_config import QUANTIZATION_METHODS
+    from kiln.loader import QUANTIZATION_METHODS
 
     p.add_argument("--quantization", "-q", metavar="METHOD",
                    help="the checkpoint's quantization method, vLLM's names (" + ", ".join(QUANTIZATION_METHODS)
