@@ -36,14 +36,27 @@ def steps(vocab: int, seed: int):
         yield prepare_step([SeqChunk([int(rng.integers(vocab))], len(prompts[1]) + 3 + i, blocks[1])], 16)
 
 
-def agree(lm, tol):
+def agree(lm, tol, exact_argmax=True):
+    """Logits within tol (relative to the range) of the numpy executor's on every step. The argmax
+    agrees on every row (exact_argmax), or, for an executor that rounds differently by design, on
+    every row whose reference margin between its first and second logit exceeds twice that row's
+    largest difference (a flip there would be a real error, not a near tie moved by the rounding).
+    -> the largest relative difference seen."""
     ref = CpuExecutor(lm.graph, lm.source.weights.get, num_blocks=lm.executor.num_blocks)
+    worst = 0.0
     for st in steps(lm.source.config.vocab_size, 5):
         got = next(iter(lm.executor.execute(st).values()))
         want = next(iter(ref.execute(st).values()))
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < tol, err
-        assert (got.argmax(-1) == want.argmax(-1)).all()
+        worst = max(worst, float(err))
+        if exact_argmax:
+            assert (got.argmax(-1) == want.argmax(-1)).all()
+        else:
+            top2 = np.sort(want, axis=-1)[:, -2:]
+            clear = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(got - want).max(-1)
+            assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+    return worst
 
 
 @pytest.mark.parametrize("variant", ["llama_llama3_rope", "qwen3_qknorm"])
@@ -88,12 +101,13 @@ def test_smollm2_matches_numpy(smollm2):
 def test_smollm2_with_q8_1_activations(monkeypatch, smollm2_gguf):
     """KILN_CPU_ACT_QUANT=q8_1 (llama.cpp's rounding of Q4 linears' activations; its kernels
     against their reference: test_packed_weights.py) moves SmolLM2's logits by a few percent of
-    their range from the f32 reference (3.3e-2 on the prefill in tests/test_smollm2.py) and keeps
-    its argmax on these steps; an unknown value is refused."""
+    their range from the f32 reference (3.3e-2 on the prefill in tests/test_smollm2.py), so near
+    ties among these random-token steps may flip (CI saw one: 277 for 282); clear winners keep
+    their argmax, and the rounding is really applied; an unknown value is refused."""
     monkeypatch.setenv("KILN_CPU_ACT_QUANT", "q8_1")
     lm = load(smollm2_gguf, kv_cache_tokens=256, tokenizer=False)
     assert lm.executor.act_quant == "q8_1"
-    agree(lm, 0.1)
+    assert agree(lm, 0.1, exact_argmax=False) > 1e-4
     monkeypatch.setenv("KILN_CPU_ACT_QUANT", "q4")
     with pytest.raises(ConfigError, match="KILN_CPU_ACT_QUANT"):
         load(smollm2_gguf, kv_cache_tokens=256, tokenizer=False)
