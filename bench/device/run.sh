@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Device-machine driver (copied into the snapshot by bench/device/prep.sh). Usage:
+#   bash bench/device/run.sh MODE [args]   with KILN_COMMIT set by the caller
+# MODE: tests (TESTS, TESTS_T) | shape SHAPE [extra gpu_shape_decode args] | tune SHAPE KERNELS | bench SHAPE [WORKLOADS]
+set -o pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kiln
+export PYTHONPATH=/tmp/pkg:$PWD:/tmp/site
+export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kc}
+[ -f /tmp/deps_ok ] || python3 -c "import jsonschema, transformers, torch, tornado, llguidance, gguf, kiln; print('deps ok', torch.cuda.get_device_name(0))" && touch /tmp/deps_ok || exit 1
+mkdir -p $OUT/t
+mode=$1; shift; tag=${1:-x}
+case $mode in
+tests)
+  timeout ${TESTS_T:-540} python3 -m pytest -q -rfE -p no:cacheprovider ${TESTS} 2>&1 | tee $OUT/t/tests.log | tail -60 ;;
+shape)
+  s=$1; shift
+  timeout ${SHAPE_T:-540} python3 bench/gpu_shape_decode.py --shape $s --max-num-seqs 16 --json $OUT/t/${s}_shape.json "$@" 2>&1 | tee $OUT/t/${s}_shape.log | tail -80 ;;
+tune)
+  s=$1; k=$2; mkdir -p /tmp/cfg_$s
+  python3 -c "import sys,json; sys.path.insert(0,'bench'); from make_random_model import hf_config; open('/tmp/cfg_$s/config.json','w').write(json.dumps(hf_config('$s')))"
+  timeout ${TUNE_T:-540} python3 build.py tune --model /tmp/cfg_$s --target sm_90 --kernels $k --max-num-seqs 16 2>&1 | tee $OUT/t/tune_${s}.log | tail -60
+  cp schedules/sm_90/*.yaml $OUT/t/ ;;
+cmd)
+  timeout ${CMD_T:-540} bash -c "$*" 2>&1 | tee $OUT/t/cmd_$tag.log | tail -60 ;;
+bench)
+  s=$1; w=${2:-decode}
+  python3 bench/make_random_model.py --shape $s --out /tmp/m_$s --spill-dir /dev/shm/m_$s --keep-gb 40 2>&1 | tail -3
+  for x in ${w//,/ }; do
+    timeout ${BENCH_T:-400} python3 build.py bench --workload $x --model /tmp/m_$s --target sm_90 --max-num-seqs 16 --json $OUT/t/h200_${s}_${x}_${KILN_COMMIT}.json 2>&1 | tail -30
+  done ;;
+esac
+cd $OUT && tar czf t_${mode}_${tag}_$(date +%H%M%S).tgz t && rm -rf t
