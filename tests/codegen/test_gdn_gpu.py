@@ -22,29 +22,11 @@ from tests.codegen.helpers import BF16, assert_close, f32, rand, same_bits
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
+from tests.codegen.gpu_torch import cuda, dev, host  # noqa: E402,F401 (cuda: the autouse skip)
 
 HK, DK, DV = 16, 128, 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cuda():
-    from kiln.codegen.triton.launch import interpreting
-
-    if interpreting():
-        pytest.skip("triton is in interpreter mode; run with TRITON_INTERPRET=0")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-
-
-def dev(x: np.ndarray):
-    if x.dtype == BF16:
-        return torch.from_numpy(f32(x)).to("cuda", torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
-
-
-def host(t) -> np.ndarray:
-    torch.cuda.synchronize()
-    return t.float().cpu().numpy().astype(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy()
 
 
 def _batch(new, ctx, slots):
