@@ -23,6 +23,7 @@ tune)
   timeout ${TUNE_T:-540} python3 build.py tune --model /tmp/cfg_$s --target sm_90 --kernels $k --max-num-seqs 16 2>&1 | tee $OUT/t/tune_${s}.log | tail -60
   cp schedules/sm_90/*.yaml $OUT/t/ ;;
 cmd)
+  shift
   timeout ${CMD_T:-540} bash -c "$*" 2>&1 | tee $OUT/t/cmd_$tag.log | tail -60 ;;
 bench)
   s=$1; w=${2:-decode}
