@@ -82,7 +82,7 @@ def test_a_tensor_parallel_plan_with_nccl_calls_runs_on_one_gpu(lib, tmp_path, g
     from tests.tiny_models import make_tiny_model
 
     make_tiny_model(tmp_path, "qwen3_qknorm", dtype=torch.bfloat16)
-    sizes = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    sizes = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128)
     plain = load(tmp_path, target=gpu_target, kv_cache_tokens=16 * 64, tokenizer=False, **sizes)
     source = open_model(tmp_path)
     cfg = source.config
