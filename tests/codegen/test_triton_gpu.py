@@ -585,8 +585,11 @@ def test_aot_cubin_launches_through_cuda_bindings(tmp_path):
     ok(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                              c.shared))
     p64, i32 = ctypes.c_uint64, ctypes.c_int32
-    y = p64(yd.data_ptr())  # also fills the unused bias and split-K workspace slots
-    vals = [p64(xd.data_ptr()), p64(wd.data_ptr()), y, y, y, p64(nr.data_ptr()), i32(m), i32(k), i32(n)]
+    y = p64(yd.data_ptr())  # also fills the unused bias, residual and split-K workspace slots
+    by_name = dict(x_ptr=p64(xd.data_ptr()), w_ptr=p64(wd.data_ptr()), n_rows_ptr=p64(nr.data_ptr()),
+                   M=i32(m), stride_xm=i32(k), stride_ym=i32(n))
+    vals = [by_name.get(a, y) for a in spec.signature]  # in the spec's order, as the runtime packs them
+    assert set(spec.signature) - set(by_name) <= {"bias_ptr", "res_ptr", "y_ptr", "part_ptr"}, spec.signature
     vals += [p64(0)] * c.n_hidden  # hidden scratch pointers: null, their sizes are 0
     params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
     gx, gy, gz = spec.grid
