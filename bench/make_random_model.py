@@ -285,11 +285,13 @@ def check_format(shape: str, fmt: str) -> None:
     arch = cfg["architectures"][0]
     shapes = weight_shapes(cfg)
     if fmt in ("fp8", "nvfp4"):
-        from kiln.models.quant_config import FP8_ARCHITECTURES, NVFP4_ARCHITECTURES
+        from kiln.models.quant_config import DENSE_ARCHITECTURES, NVFP4_ARCHITECTURES
 
-        archs = FP8_ARCHITECTURES if fmt == "fp8" else NVFP4_ARCHITECTURES
+        # fp8: the dense decoders only, as this writer quantises no MoE experts (kiln runs block-wise FP8
+        # experts too: models/quant_config.py FP8_ARCHITECTURES)
+        archs = DENSE_ARCHITECTURES if fmt == "fp8" else NVFP4_ARCHITECTURES
         if arch not in archs:
-            raise FormatRefused(f"{shape} in {fmt} is not written: kiln runs {fmt} checkpoints of "
+            raise FormatRefused(f"{shape} in {fmt} is not written: this writer makes {fmt} checkpoints of "
                                 f"{', '.join(archs)} only, not {arch} (models/quant_config.py)")
         if fmt == "fp8" and fp8_block(cfg, shapes) < 16:
             raise FormatRefused(f"{shape} in fp8 is not written: its linears share no block of 16 or more")

@@ -127,3 +127,77 @@ def add_rms_norm_quant(x, residual, w, *scales, eps: float, offset: float = 0.0,
 def silu_mul_quant(gate, up, *scales, group: int, min_scale: float = 0.0):
     """quant_fp8(silu_mul(gate, up)): the SwiGLU activation rounded to gate's dtype, then quantised."""
     return quantize_fp8(silu_mul(gate, up), scales, group, min_scale)
+
+
+# -- MoE experts in block-wise FP8 (models/moe.py) ------------------------------------------
+
+def _infer_moe_experts_fp8(ins, attrs):
+    xq, xs, ids, w, w13, s13, w2, s2 = ins
+    bn, bk = attrs["block"]
+    if w13.dtype != DType.fp8e4m3 or w2.dtype != DType.fp8e4m3 or xq.dtype != DType.fp8e4m3:
+        raise ValueError(f"moe_experts_fp8: x {xq.name}, {w13.name} and {w2.name} must be e4m3")
+    if len(w13.shape) != 3 or len(w2.shape) != 3:
+        raise ValueError(f"moe_experts_fp8: {w13.name} and {w2.name} must be [E, 2I, H] and [E, H, I]")
+    e, two_i, h = w13.shape
+    i = two_i // 2
+    if two_i % 2 or tuple(w2.shape) != (e, h, i) or xq.shape[-1] != h:
+        raise ValueError(f"moe_experts_fp8: w13 {list(w13.shape)} and w2 {list(w2.shape)} are not [E, 2I, H] and "
+                         f"[E, H, I] for x [T, {xq.shape[-1]}]")
+    if h % bk or i % bk or i % bn or xs.shape[-1] != h // bk:
+        raise ValueError(f"moe_experts_fp8: H={h} and I={i} must be whole [{bn}, {bk}] blocks, x's scales "
+                         f"{list(xs.shape)} one per {bk} columns")
+    for s, (n, k) in ((s13, (two_i, h)), (s2, (h, i))):
+        if tuple(s.shape) != (e, -(-n // bn), -(-k // bk)):
+            raise ValueError(f"moe_experts_fp8: weight scale {s.name} {list(s.shape)} is not one per [{bn}, {bk}] "
+                             f"block of [{e}, {n}, {k}]")
+    if tuple(ids.shape) != tuple(w.shape) or ids.shape[0] != xq.shape[0] or ids.dtype != DType.i32:
+        raise ValueError(f"moe_experts_fp8: topk ids {list(ids.shape)} ({ids.dtype}) and weights {list(w.shape)} "
+                         f"must both be [T, k], ids i32")
+    return [(DType(attrs["out_dtype"]), (xq.shape[0], h))]
+
+
+def _by_expert(topk_ids):
+    """(expert, its tokens, their ranks) for each expert some token chose, in expert order."""
+    return [(e, *np.nonzero(topk_ids == e)) for e in np.unique(topk_ids)]
+
+
+def moe_fp8_act(xq, xs, topk_ids, w13, s13, *, block, out_dtype, min_scale: float = 0.0):
+    """moe_experts_fp8's quantised intermediate: (aq e4m3 [T*k, I], as f32 [T*k, I / bk]), row
+    r = t * k + j the SiLU-and-mul of token t's gate_up through expert ids[t, j], quantised."""
+    t, k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    a = np.zeros((t * k, inter), to_numpy(DType(out_dtype)))
+    for e, tok, rank in _by_expert(topk_ids):
+        h = linear_fp8(xq[tok], xs[tok], w13[e], s13[e], block=block, out_dtype=out_dtype)
+        a[tok * k + rank] = silu_mul(h[:, :inter], h[:, inter:])
+    return quantize_fp8(a, (), block[1], min_scale)
+
+
+@OPS.register("moe_experts_fp8", inputs=8, infer=_infer_moe_experts_fp8)
+def moe_experts_fp8(xq, xs, topk_ids, topk_weights, w13, s13, w2, s2, *, block, out_dtype, min_scale: float = 0.0):
+    """graph/moe_ops.py moe_experts with block-wise FP8 experts, W8A8 as linear_fp8: xq e4m3 [T, H]
+    with xs f32 [T, H / bk] (x quantised once per token per bk columns by a quant_fp8 node: every
+    expert of a token reads the same quantised row); w13 e4m3 [E, 2I, H] (each expert's gate rows,
+    then its up rows) with s13 f32 [E, 2I / bn, H / bk]; w2 e4m3 [E, H, I] with s2 [E, H / bn, I / bk].
+    For assignment r = t * k + j of expert e = ids[t, j]:
+        h    = linear_fp8(xq[t], xs[t], w13[e], s13[e])      (rounded to out_dtype, a linear's store)
+        a[r] = silu_mul(h[:I], h[I:])                         (rounded to out_dtype)
+        aq, as = quantize_fp8(a, group=bk, min_scale)         (per assignment per bk columns)
+        o[r] = linear_fp8(aq[r], as[r], w2[e], s2[e])         (rounded)
+        y[t] = sum_j w[t, j] * o[t*k + j], j in rank order, in f32, rounded once.
+    vLLM's fused_moe with block quantisation does the same: fused_experts_impl quantises the input
+    and the SiLU-and-mul output with moe_kernel_quantize_input -> per_token_group_quant_fp8 (block_k
+    columns a group), and fused_moe_kernel scales each K block's dot by a_scale * b_scale
+    (vllm/model_executor/layers/fused_moe/fused_moe.py, read for its semantics)."""
+    t, k = topk_ids.shape
+    od = to_numpy(DType(out_dtype))
+    aq, as_ = moe_fp8_act(xq, xs, topk_ids, w13, s13, block=block, out_dtype=out_dtype, min_scale=min_scale)
+    o = np.zeros((t, k, w2.shape[1]), _f32)
+    for e, tok, rank in _by_expert(topk_ids):
+        r = tok * k + rank
+        o[tok, rank] = linear_fp8(aq[r], as_[r], w2[e], s2[e], block=block, out_dtype=out_dtype)
+    wts = topk_weights.astype(_f32)
+    y = np.zeros((t, w2.shape[1]), _f32)
+    for j in range(k):  # rank order (graph/moe_ops.py: batch invariance)
+        y += wts[:, j:j + 1] * o[:, j]
+    return y.astype(od)

@@ -12,6 +12,17 @@ x, so passes/merge_parallel_linears.py stacks them into one GEMM (one read of x)
 
 The experts are graph weights under transformers' stacked names, whatever the checkpoint holds:
 models/moe_weights.py builds them from per-expert or GGUF tensors at load.
+
+Quantised experts: a GGUF's stay in their blocks (moe_experts_gguf, models/gguf_quant.py); a
+block-wise FP8 checkpoint's (Qwen3-30B-A3B-FP8, Qwen3.6-35B-A3B-FP8: per-expert e4m3 weights with
+f32 weight_scale_inv per [bn, bk] block) stay e4m3, stacked per layer with their stacked scales
+(`{GATE_UP}.weight_scale_inv` [E, 2I/bn, H/bk], `{DOWN}.weight_scale_inv` [E, H/bn, I/bk]), and run
+W8A8 as the dense FP8 linears do (moe_experts_fp8, graph/fp8_ops.py: x quantised once per token per
+bk columns by a quant_fp8 node, the SiLU-and-mul intermediate per assignment). The shared expert's
+linears are FP8 linears where the config quantises them; the router and shared_expert_gate are
+plain linears (the published FP8 checkpoints keep them bf16; one stored in FP8 is refused by name:
+models/fp8_weights.py). Other quantised MoE experts (FP8 with per-channel or per-tensor scales,
+online FP8, NVFP4) are refused in one sentence naming the format.
 """
 from __future__ import annotations
 
@@ -19,12 +30,13 @@ from kiln.errors import UnsupportedQuantizationError
 from kiln.graph import DType, Graph, Tensor
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_quant import gguf_experts
-from kiln.models.fp8_linear import project
+from kiln.models.fp8_linear import _quantize, project
 from kiln.models.nvfp4_linear import linear_or_nvfp4
-from kiln.models.quant_config import Fp8Config
+from kiln.models.quant_config import MIN_SCALE_GROUP, Fp8Config
 
 GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H]: each expert's gate rows, then its up rows
 DOWN = "mlp.experts.down_proj"  # [E, H, I]
+SCALE = ".weight_scale_inv"  # block-wise FP8 experts: {GATE_UP}.weight_scale_inv [E, 2I/bn, H/bk], {DOWN}'s
 
 
 def _linear(g: Graph, x: Tensor, name: str, n_out: int, n_in: int, dtype: DType, node: str) -> Tensor:
@@ -64,9 +76,12 @@ def moe_block(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DTyp
                           renormalize=cfg.norm_topk_prob)
     blocks = gguf_experts(g, cfg.quantization, p, E, I, H) if getattr(cfg.quantization, "weight", None) == "gguf" \
         else None
+    q = cfg.quantization if isinstance(cfg.quantization, Fp8Config) else None
     if blocks is not None:  # a GGUF's experts in their block formats (models/gguf_quant.py)
         w13, w2, qtypes = blocks
         y = g.call1("moe_experts_gguf", x, ids, weights, w13, w2, qtypes=qtypes, name=f"{n}.experts")
+    elif q is not None and q.quantizes(f"{p}.mlp.experts.0.gate_proj"):
+        y = _fp8_experts(g, q, p, n, x, ids, weights, E, I, H, dtype)
     else:
         w13 = g.weight(f"{p}.{GATE_UP}", dtype, (E, 2 * I, H))
         w2 = g.weight(f"{p}.{DOWN}", dtype, (E, H, I))
@@ -74,11 +89,30 @@ def moe_block(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DTyp
     ish = cfg.shared_expert_intermediate_size
     if not ish:
         return y
-    shared = dense_mlp(g, x, f"{p}.mlp.shared_expert", f"{n}.shared_expert", ish, H, dtype)
+    shared = dense_mlp(g, x, f"{p}.mlp.shared_expert", f"{n}.shared_expert", ish, H, dtype, quant=q)
     sg = _linear(g, x, f"{p}.mlp.shared_expert_gate.weight", 1, H, dtype, f"{n}.shared_expert_gate")  # [T, 1]
     # sigmoid rounded to the activation dtype, then the product (HF: F.sigmoid(gate(x)) * out, bf16)
     shared = g.call1("sigmoid_mul", shared, sg, name=f"{n}.shared_expert_scale")
     return g.call1("add", y, shared, name=f"{n}.moe_out")
+
+
+def _fp8_experts(g: Graph, q: Fp8Config, p: str, n: str, x: Tensor, ids: Tensor, weights: Tensor, E: int, I: int,
+                 H: int, dtype: DType) -> Tensor:
+    """A block-wise FP8 checkpoint's experts, kept in e4m3 and stacked per layer as the bf16 ones
+    are (models/moe_weights.py stacks their weight_scale_inv likewise): moe_experts_fp8 (W8A8,
+    graph/fp8_ops.py) on x quantised once per token per bk columns."""
+    bn, bk = q.block
+    if H % bk or I % bk or I % bn:
+        raise UnsupportedQuantizationError(
+            f"block-wise FP8 experts with weight_block_size {list(q.block)} on {p}.mlp.experts, whose hidden size {H} "
+            f"and moe_intermediate_size {I} are not multiples of the block, are not supported by kiln")
+    xq = _quantize(g, q, x, [f"{p}.mlp.experts"], H, f"{n}.experts_quant")
+    w13 = g.weight(f"{p}.{GATE_UP}", DType.fp8e4m3, (E, 2 * I, H))
+    s13 = g.weight(f"{p}.{GATE_UP}{SCALE}", DType.f32, (E, 2 * I // bn, H // bk))
+    w2 = g.weight(f"{p}.{DOWN}", DType.fp8e4m3, (E, H, I))
+    s2 = g.weight(f"{p}.{DOWN}{SCALE}", DType.f32, (E, -(-H // bn), I // bk))
+    return g.call1("moe_experts_fp8", *xq, ids, weights, w13, s13, w2, s2, block=(bn, bk), out_dtype=str(dtype),
+                   min_scale=MIN_SCALE_GROUP, name=f"{n}.experts")
 
 
 def mlp(g: Graph, cfg: ModelConfig, i: int, x: Tensor, dtype: DType) -> Tensor:
@@ -86,9 +120,12 @@ def mlp(g: Graph, cfg: ModelConfig, i: int, x: Tensor, dtype: DType) -> Tensor:
     else the dense one of intermediate_size."""
     p, n = f"model.layers.{i}", f"layers.{i}"
     if cfg.layer_is_moe(i):
-        if cfg.quantization is not None and cfg.quantization.weight != "gguf":
-            raise UnsupportedQuantizationError(f"{cfg.quantization.method} quantised MoE layers ({p}.mlp) are not "
-                                               f"supported by kiln")
+        q = cfg.quantization
+        if q is not None and q.weight != "gguf" and not (isinstance(q, Fp8Config) and q.weight == "block"):
+            what = "NVFP4" if q.weight == "nvfp4" else "online FP8" if getattr(q, "online", False) else \
+                f"FP8 with {q.weight}-wise weight scales"
+            raise UnsupportedQuantizationError(f"{q.method} {what} MoE layers ({p}.mlp) are not supported by kiln "
+                                               f"(its MoE experts run block-wise FP8 and GGUF)")
         return moe_block(g, cfg, p, n, x, dtype)
     q = cfg.quantization
     q = q if isinstance(q, Fp8Config) or getattr(q, "weight", None) == "nvfp4" else None

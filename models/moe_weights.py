@@ -15,26 +15,68 @@ The result is one array per weight, so an executor uploads one buffer per layer 
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from kiln.errors import InvalidModelError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_quant import expert_blocks
-from kiln.models.moe import DOWN, GATE_UP
+from kiln.models.moe import DOWN, GATE_UP, SCALE
 from kiln.models.mapped_weights import MappedWeights
 from kiln.models.weights import WeightSource
 
 
-def expert_weights(cfg: ModelConfig, rename: dict[str, str], prefix: str = "model.layers") -> dict[str, tuple]:
+def expert_weights(cfg: ModelConfig, rename: dict[str, str], prefix: str = "model.layers",
+                   dtype=None) -> dict[str, tuple]:
     """Derived weights (graph name -> (shape, fn(get) -> array), as models/qwen3_5.py's
     MappedWeights takes them) for the stacked expert weights the file does not hold as such.
     rename maps graph names to file names; the per-expert and GGUF names it consumes are
-    removed from it, so only the stacked weights are visible."""
+    removed from it, so only the stacked weights are visible. dtype: the file's stored dtype of
+    a tensor (by file name), to check block-wise FP8 experts (fp8_experts) are e4m3."""
     derived: dict[str, tuple] = {}
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_is_moe(i):
+            derived.update(fp8_experts(cfg, f"{prefix}.{i}", rename, dtype))  # before _layer pops the weights
             derived.update(_layer(cfg, f"{prefix}.{i}", rename))
     return derived
+
+
+def fp8_experts(cfg: ModelConfig, p: str, rename: dict[str, str], dtype=None) -> dict[str, tuple]:
+    """A block-wise FP8 checkpoint's per-expert `experts.{e}.{gate,up,down}_proj.weight_scale_inv`
+    (the Qwen3-*-FP8 and Qwen3.5/3.6-*-FP8 layout) stacked as the weights are: `{GATE_UP}{SCALE}`
+    [E, 2I/bn, H/bk] (expert e's gate scale rows, then its up ones: the rows of its gate_up block
+    rows, as I is whole bn blocks) and `{DOWN}{SCALE}` [E, H/bn, I/bk]. {} where the config does
+    not quantise this layer's experts. An expert that lacks a scale, a scale of the wrong shape or
+    an expert weight stored in another dtype than e4m3 is one sentence."""
+    q = cfg.quantization
+    E = cfg.num_experts
+    names = [[rename.pop(f"{p}.mlp.experts.{e}.{w}_proj{SCALE}", None) for e in range(E)]
+             for w in ("gate", "up", "down")]
+    if getattr(q, "weight", None) != "block" or not q.quantizes(f"{p}.mlp.experts.0.gate_proj"):
+        if any(any(n) for n in names):
+            raise InvalidModelError(f"{p}.mlp.experts hold block-wise FP8 scales ({SCALE}), but the checkpoint's "
+                                    f"quantization_config does not quantise them block-wise")
+        return {}
+    for w, per in zip(("gate", "up", "down"), names):
+        if not all(per):
+            e = per.index(None)
+            raise InvalidModelError(f"weight {p}.mlp.experts.{e}.{w}_proj{SCALE} is missing from the model files "
+                                    f"(the checkpoint's quantization_config says the experts are block-wise FP8)")
+    for e in range(E):
+        for w in ("gate", "up", "down"):
+            f = rename.get(f"{p}.mlp.experts.{e}.{w}_proj.weight")
+            stored = dtype(f) if dtype is not None and f is not None else None
+            if stored is not None and stored != _E4M3:
+                raise InvalidModelError(f"weight {f!r} is stored as {stored}, but the checkpoint's "
+                                        f"quantization_config says it is float8_e4m3fn")
+    (bn, bk), I, H = q.block, cfg.moe_intermediate_size, cfg.hidden_size
+    sg, sd = (-(-I // bn), -(-H // bk)), (-(-H // bn), -(-I // bk))
+    return {f"{p}.{GATE_UP}{SCALE}": ((E, 2 * sg[0], sg[1]), lambda get, g=names[0], u=names[1]: np.stack(
+                [np.concatenate([_check(get, a, sg), _check(get, b, sg)]) for a, b in zip(g, u)])),
+            f"{p}.{DOWN}{SCALE}": ((E, *sd), lambda get, d=names[2]: np.stack([_check(get, a, sd) for a in d]))}
+
+
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def _layer(cfg: ModelConfig, p: str, rename: dict[str, str]) -> dict[str, tuple]:
@@ -75,7 +117,7 @@ def _layer(cfg: ModelConfig, p: str, rename: dict[str, str]) -> dict[str, tuple]
 def adapt_weights(cfg: ModelConfig, weights: WeightSource) -> WeightSource:
     """Qwen3MoeForCausalLM: the checkpoint's names are the graph's, but for the experts."""
     rename = {nm: nm for nm in weights.names()}
-    derived = expert_weights(cfg, rename)
+    derived = expert_weights(cfg, rename, dtype=getattr(weights, "dtype", None))
     derived.update(expert_blocks(cfg, rename, weights))  # GGUF experts kept in their blocks (models/gguf_quant.py)
     return MappedWeights(weights, rename, derived)
 

@@ -185,7 +185,8 @@ def adapt_weights(cfg: ModelConfig, weights: WeightSource) -> WeightSource:
         for i in range(cfg.num_hidden_layers):
             if cfg.layer_type(i) == "linear_attention":
                 derived.update(_deinterleave(cfg, f"model.layers.{i}.linear_attn", rename))
-    derived.update(expert_weights(cfg, rename))  # stacked experts from any layout (models/moe_weights.py)
+    # stacked experts from any layout, block-wise FP8 ones with their scales (models/moe_weights.py)
+    derived.update(expert_weights(cfg, rename, dtype=getattr(weights, "dtype", None)))
     return MappedWeights(weights, rename, derived)
 
 

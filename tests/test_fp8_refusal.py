@@ -118,8 +118,9 @@ def test_fp8_config_over_bf16_weights_is_refused(edit):
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_moe", "qwen3_5_moe"])
 def test_quantization_config_on_an_architecture_kiln_runs_unquantized_is_refused(tmp_path, kind):
-    """Qwen3-Next (its GDN projections are rearranged at load) and the MoE models (Qwen3-MoE,
-    Qwen3.5/3.6-MoE) are refused in FP8 by name; the dense Qwen3.5 hybrids run (test_fp8_hybrid.py)."""
+    """Qwen3-Next (its GDN projections are rearranged at load) is refused in FP8 by name; the dense
+    Qwen3.5 hybrids run (test_fp8_hybrid.py), and so do block-wise FP8 MoE models (test_fp8_moe.py),
+    whose bf16 experts under an FP8 config are refused naming the first expert scale they lack."""
     if kind == "qwen3_next":
         make_tiny_hybrid(tmp_path, "qwen3_next")
     else:
@@ -128,6 +129,11 @@ def test_quantization_config_on_an_architecture_kiln_runs_unquantized_is_refused
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if kind != "qwen3_next":
+        with pytest.raises(InvalidModelError) as e:
+            load(tmp_path, tokenizer=False)
+        assert "experts.0.gate_proj.weight_scale_inv is missing" in _one_sentence(e.value)
+        return
     with pytest.raises(UnsupportedQuantizationError) as e:
         load(tmp_path, tokenizer=False)
     assert "FP8 checkpoints of" in _one_sentence(e.value) and cfg["architectures"][0] in str(e.value)
