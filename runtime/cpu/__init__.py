@@ -5,6 +5,7 @@
     linear.py          one linear layer: GEMV below GEMM_MIN_TOKENS tokens, dequantise + BLAS above
     op_kernels.py      norms, SwiGLU, RoPE + KV write, paged attention
     arena.py, plan.py  the fused step graph as a list of compiled calls over one arena
+    sample_kernels.py  the sampler's temperature / min-p / top-k / top-p / race without a sort
 
 runtime/worker/compiled_cpu_executor.py runs a plan; the numpy executor (cpu_executor.py) is
 its oracle and the fallback for graphs it refuses (plan.NotCompilable).

@@ -6,6 +6,11 @@ Ported from vLLM: `vllm/v1/sample/ops/bad_words.py`, `ops/penalties.py` with
 MinPLogitsProcessor`, `ops/topk_topp_sampler.py` (`apply_top_k_top_p_pytorch`,
 `apply_top_k_only`, `random_sample`). Functions named apply_* modify float32
 `logits: [B, V]` in place and also return it.
+
+These are the oracle of the compiled sampler (runtime/cpu/sample_kernels.py), which must give
+the same tokens: every step here is defined so that another implementation can reproduce its
+bits without sorting the vocabulary (the sums are numpy's pairwise float32 sums over vocabulary
+order, or exact integer sums).
 """
 from __future__ import annotations
 
@@ -14,6 +19,11 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 NEG_INF = np.float32(-np.inf)
+# Top-p's probability masses in fixed point: a token's exp(z - zmax) <= 1 times 2^40, truncated to
+# an integer (the GPU sampler's MASS_ONE, codegen/triton/sampling.py). Integer sums are exact, so
+# the cumulative mass is the same in any order: sorted here, radix buckets in the compiled sampler.
+MASS_ONE = np.float32(2.0 ** 40)
+TINY = np.finfo(np.float32).tiny
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -114,33 +124,47 @@ def apply_top_k_top_p(logits: np.ndarray, k: Optional[np.ndarray], p: Optional[n
     most likely token always stays. vLLM masks by sorted position; this masks by
     value (below the least likely kept logit), which sorts values only (several
     times faster in numpy) and keeps every token tied with the last kept one,
-    as top-k does.
+    as top-k does. Rows with p >= 1 get no top-p cut (vLLM's cut there drops only
+    tokens whose probability is 0, which no draw picks).
+
+    The cumulative probability is an exact integer sum of fixed-point masses
+    (MASS_ONE), compared in float64 with (1 - p) times the total: the cut is
+    the least value v with float64(mass(z <= v)) > (1 - p) * float64(total), or
+    the top value if there is none. (Until issue 43 it was a float32 cumsum of
+    softmax(sorted row), whose rounding depends on the sort: the compiled
+    sampler finds this cut without sorting.)
     """
     if p is None:
         return logits if k is None else apply_top_k_only(logits, k)
     B, V = logits.shape
     srt = np.sort(logits, axis=1)  # ascending
+    cut = np.full(B, NEG_INF, dtype=np.float32)
     if k is not None:
-        kth = srt[np.arange(B), V - np.minimum(k, V)]
-        srt[srt < kth[:, None]] = NEG_INF
-    cum = np.cumsum(softmax(srt), axis=1)
-    # cum only grows, so the dropped tokens are a prefix of the sorted row; the
-    # last one is never dropped.
-    n_drop = np.minimum((cum <= (1.0 - p.astype(np.float32))[:, None]).sum(axis=1), V - 1)
-    threshold = srt[np.arange(B), n_drop]
-    logits[logits < threshold[:, None]] = NEG_INF
+        cut = srt[np.arange(B), V - np.minimum(k, V)]
+        srt[srt < cut[:, None]] = NEG_INF
+    on = np.flatnonzero(p < 1.0)
+    if len(on):
+        s = srt[on]
+        mass = (np.exp(s - s[:, -1:]) * MASS_ONE).astype(np.int64)
+        cum = np.cumsum(mass, axis=1)
+        limit = (1.0 - p[on].astype(np.float64)) * cum[:, -1].astype(np.float64)
+        # cum only grows, so the dropped tokens are a prefix of the sorted row; the
+        # last one is never dropped.
+        n_drop = np.minimum((cum.astype(np.float64) <= limit[:, None]).sum(axis=1), V - 1)
+        cut[on] = np.maximum(cut[on], s[np.arange(len(on)), n_drop])
+    logits[logits < cut[:, None]] = NEG_INF
     return logits
 
 
-def random_sample(probs: np.ndarray, generators: Mapping[int, np.random.Generator],
-                  rng: np.random.Generator) -> np.ndarray:
-    """Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., draws token i with prob probs[i].
+def draw_noise(B: int, V: int, generators: Mapping[int, np.random.Generator],
+               rng: np.random.Generator) -> np.ndarray:
+    """q: f32[B, V] ~ Exp(1) i.i.d. for the exponential race, at least float32's tiny.
 
     A row listed in `generators` draws its noise from its own generator, V
     values per step, so a seeded request's tokens depend only on its seed and
-    its own logits, not on the batch around it (vLLM `random_sample`).
+    its own logits, not on the batch around it (vLLM `random_sample`). The other
+    rows draw from `rng` in one call, in row order.
     """
-    B, V = probs.shape
     q = np.empty((B, V), dtype=np.float32)
     shared = [i for i in range(B) if i not in generators]
     if shared:
@@ -148,8 +172,32 @@ def random_sample(probs: np.ndarray, generators: Mapping[int, np.random.Generato
     for i, gen in generators.items():
         q[i] = gen.standard_exponential(V, dtype=np.float32)
     # Exp(1) can round to 0 in float32; 0/0 would be NaN, which argmax picks.
-    np.maximum(q, np.finfo(np.float32).tiny, out=q)
+    np.maximum(q, TINY, out=q)
+    return q
+
+
+def race(probs: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """argmax(probs / q), the first index among equals: with q ~ Exp(1) i.i.d. (draw_noise)
+    this draws token i with probability probs[i]."""
     return (probs / q).argmax(axis=1)
+
+
+def sample_rows(sub: np.ndarray, min_p: Optional[np.ndarray], k: Optional[np.ndarray],
+                p: Optional[np.ndarray], q: np.ndarray) -> np.ndarray:
+    """The sampler's steps 6-7 on temperature-scaled rows `sub` (modified in place): min_p,
+    top-k and top-p, softmax, and the race against the noise q (draw_noise) -> token per row."""
+    if min_p is not None:
+        apply_min_p(sub, min_p)
+    apply_top_k_top_p(sub, k, p)
+    return race(softmax(sub), q)
+
+
+def random_sample(probs: np.ndarray, generators: Mapping[int, np.random.Generator],
+                  rng: np.random.Generator) -> np.ndarray:
+    """Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., draws token i with prob probs[i]
+    (draw_noise, then race)."""
+    B, V = probs.shape
+    return race(probs, draw_noise(B, V, generators, rng))
 
 
 def apply_token_bitmask(logits: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:

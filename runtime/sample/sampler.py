@@ -102,10 +102,15 @@ def _has_logits_processors(md: SamplingMetadata) -> bool:
 
 
 class Sampler:
-    """Samples one token per row. Holds the generator for unseeded requests (its only state)."""
+    """Samples one token per row. Holds the generator for unseeded requests (its only state).
 
-    def __init__(self, seed: Optional[int] = None):
+    compiled: the compiled CPU target's sampling kernels (runtime/cpu/sample_kernels.py
+    CompiledSampler) or None; with them, steps 5-7 of the random rows run compiled and give the
+    same tokens as the numpy steps below (which stay the reference and the fallback)."""
+
+    def __init__(self, seed: Optional[int] = None, compiled=None):
         self._rng = np.random.default_rng(seed)
+        self.compiled = compiled
 
     def sample(self, logits: np.ndarray, metadata: SamplingMetadata, grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] (any float dtype; not modified) -> SamplerOutput. grammar_bitmask: the
@@ -167,14 +172,16 @@ class Sampler:
             sampled, rows = np.empty(md.batch_size, dtype=np.int64), np.arange(md.batch_size)
         else:
             sampled, rows = logits.argmax(axis=1), np.flatnonzero(md.temperature >= SAMPLING_EPS)
-        sub = logits[rows] / md.temperature[rows, None]
-        if md.min_p is not None:
-            ops.apply_min_p(sub, md.min_p[rows])
-        k = None if md.top_k is None else md.top_k[rows]
-        p = None if md.top_p is None else md.top_p[rows]
-        ops.apply_top_k_top_p(sub, k, p)
         position = {int(r): j for j, r in enumerate(rows)}
         generators = {position[r]: g for r, g in md.generators.items() if r in position}
-        sampled[rows] = ops.random_sample(ops.softmax(sub), generators, self._rng)
+        q = ops.draw_noise(len(rows), md.vocab_size, generators, self._rng)
+        min_p = None if md.min_p is None else md.min_p[rows]
+        k = None if md.top_k is None else md.top_k[rows]
+        p = None if md.top_p is None else md.top_p[rows]
+        tokens = None
+        if self.compiled is not None:
+            tokens = self.compiled.sample(logits, rows, md.temperature, min_p, k, p, q)
+        if tokens is None:
+            tokens = ops.sample_rows(logits[rows] / md.temperature[rows, None], min_p, k, p, q)
+        sampled[rows] = tokens
         return sampled
-

@@ -142,6 +142,12 @@ class CompiledCpuExecutor:
                        for n in graph.nodes.values() if n.op == "embedding"}
         self._max_pos = min([int(n.attrs.get("max_position", 2048)) for n in graph.nodes.values()
                              if n.op in ("linear_rope", "attention_preamble")] or [1 << 30])
+        # The sampler's top-k / top-p / race compiled too (runtime/cpu/sample_kernels.py); the model
+        # runner hands it to its Sampler. Its rows run on as many threads as decode steps do.
+        from kiln.runtime.cpu.sample_kernels import CompiledSampler
+
+        self.compiled_sampler = CompiledSampler(
+            threads=lambda: self.chooser.best if self.auto_threads else self.threads)
 
     @staticmethod
     def _pack(t, load_weight: WeightLoader, load_quantized: QuantizedLoader | None) -> PackedWeight:
@@ -243,6 +249,15 @@ class CompiledCpuExecutor:
                                  "numba caches them on disk)")
                     compiled += len(new)
                     progress(f"  {', '.join(k.__name__ for k in new)} ({len(done)}/{len(todo)}, {dt:.1f} s)")
+        first = compiled == 0
+        sampler = []  # the sampler's kernels: reported (as one) only when compiled now
+        self.compiled_sampler.warm_up(sampler.append)
+        if sampler:
+            if first:
+                progress("compiling the sampler's CPU kernels for this machine (first run only)")
+            compiled += 1
+            for line in sampler:
+                progress(line)
         total = time.perf_counter() - t0
         if compiled:
             progress(f"CPU kernels ready in {total:.1f} s")

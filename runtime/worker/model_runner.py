@@ -124,7 +124,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.encode = encode  # for bad_words; None when running on token ids only
-        self.sampler = Sampler(seed)
+        # the compiled CPU target's sampling kernels where the executor has them (same tokens)
+        self.sampler = Sampler(seed, compiled=getattr(executor, "compiled_sampler", None))
         # An executor that can sample where its logits are (CudaExecutor) does: only token
         # ids and asked-for logprobs come back. The numpy Sampler stays the reference.
         make = getattr(executor, "make_sampler", None) if gpu_sampling else None
