@@ -174,7 +174,8 @@ class Sampler:
             sampled, rows = logits.argmax(axis=1), np.flatnonzero(md.temperature >= SAMPLING_EPS)
         position = {int(r): j for j, r in enumerate(rows)}
         generators = {position[r]: g for r, g in md.generators.items() if r in position}
-        q = ops.draw_noise(len(rows), md.vocab_size, generators, self._rng)
+        draw = ops.draw_noise if self.compiled is None else self.compiled.draw_noise
+        q = draw(len(rows), md.vocab_size, generators, self._rng)
         min_p = None if md.min_p is None else md.min_p[rows]
         k = None if md.top_k is None else md.top_k[rows]
         p = None if md.top_p is None else md.top_p[rows]

@@ -126,6 +126,22 @@ def test_rows_of_a_larger_batch_and_bad_rows(compiled):
             (seed, name)
 
 
+def test_noise_is_the_numpy_draws(compiled):
+    """CompiledSampler.draw_noise = ops.draw_noise: the same values from the same generators (the
+    shared one for unseeded rows, row order; each seeded row's own), step after step, the two
+    interleaved on the same generators (a request may move between the paths)."""
+    seed = np.random.SeedSequence().entropy
+    for V in (1, 7, 97, 49152):
+        g1, g2 = np.random.default_rng(seed), np.random.default_rng(seed)
+        own1 = {1: np.random.default_rng(5), 4: np.random.default_rng(6)}
+        own2 = {1: np.random.default_rng(5), 4: np.random.default_rng(6)}
+        for step in range(3):
+            want = ops.draw_noise(6, V, own1, g1)
+            got = compiled.draw_noise(6, V, own2, g2)
+            assert np.array_equal(got, want), (seed, V, step)
+            g1, g2, own1, own2 = g2, g1, own2, own1  # the other path draws next
+
+
 def test_pairwise_sum_is_numpys_row_sum():
     """The race's and min-p's normaliser: numpy's float32 row sum, bit for bit (what makes the
     compiled probabilities the numpy ones)."""
