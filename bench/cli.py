@@ -39,7 +39,7 @@ FLAGS: list[tuple[str, dict]] = [
     ("--steps", dict(type=int, help="decode: timed batch-1 decode steps (default: 128)")),
     ("--repeats", dict(type=int, help="decode, prefill: timed runs, the median is reported (default: 3)")),
     ("--seed", dict(type=int, default=0, help="seed of the random prompts and lengths")),
-    ("--temperature", dict(type=float, default=0.0, help="decode, throughput, random-256: sample at this "
+    ("--temperature", dict(type=float, default=0.0, help="decode, throughput, random-256, server: sample at this "
                                                          "temperature instead of greedily (0: greedy)")),
     ("--top-k", dict(type=int, default=0, help="with --temperature: top-k (0: off)")),
     ("--top-p", dict(type=float, default=1.0, help="with --temperature: top-p (1: off)")),

@@ -2,12 +2,20 @@
 of V tokens, for 1, 8 and 512 rows: greedy, temperature alone, top-k 50, top-p 0.9, both.
 
     python bench/sampler_sweep.py [--vocab 128256] [--baseline MODULE:BLOCKxWARPS ...] [--json OUT]
+    python bench/sampler_sweep.py --cpu [--vocab 49152] [--json OUT]
 
 "this": the step's phases (runtime/sample/phases.py) as GpuSampler launches them.
 --baseline: a one-launch, one-program-per-row sample_kernel of an earlier kiln (its
 sampling.py copied next to this one under another module name), at that launch config, for an
 A/B in one process. Every candidate's tokens must equal the first one's (`same`). Times: the
 launches captured 20 times in one CUDA graph (codegen/autotune.py Bench.time_us), per step.
+
+--cpu: the host Sampler (runtime/sample/sampler.py) for 1 and 8 rows of random logits, per step
+(one Sampler.sample call, the noise draws included; median of --reps): "numpy" (the numpy steps)
+and, where this kiln has it, "compiled" (the compiled CPU target's kernels,
+runtime/cpu/sample_kernels.py, on KILN_CPU_THREADS or numba's threads), whose tokens must equal
+numpy's (`same`). Half the rows are seeded. Run it with PYTHONPATH at an older kiln for a
+before/after on the same machine (that kiln's numpy sampler only).
 """
 from __future__ import annotations
 
@@ -17,22 +25,77 @@ import json
 
 import numpy as np
 
-from kiln.codegen.autotune import Bench, Timed
-from kiln.codegen.triton.sampling import sampling_spec
-from kiln.runtime.worker.cuda_driver import CudaContext
-from kiln.runtime.sample.phases import PHASE_TOKEN, sample_phases, sample_scratch
-
 MODES = {"greedy": (0.0, None, 1.0), "k50p0.9": (0.8, 50, 0.9), "k50": (0.8, 50, 1.0), "p0.9": (0.8, None, 0.9),
          "temp": (0.8, None, 1.0)}  # temperature, top_k (None: off), top_p
 
 
+def cpu_main(a) -> dict:
+    """The host Sampler per step at rows 1 and 8, numpy and (where present) compiled."""
+    import os
+    import time
+
+    from kiln.runtime.sample.metadata import SamplingMetadata
+    from kiln.runtime.sample.sampler import Sampler
+    from kiln.runtime.sample.sampling_params import SamplingParams
+
+    try:
+        from kiln.runtime.cpu.sample_kernels import CompiledSampler
+    except ImportError:  # a kiln from before the compiled sampler
+        CompiledSampler = None
+    v = a.vocab or 49152
+    compiled = None
+    if CompiledSampler is not None:
+        compiled = CompiledSampler(threads=(lambda: int(os.environ["KILN_CPU_THREADS"]))
+                                   if "KILN_CPU_THREADS" in os.environ else None)
+        compiled.warm_up()
+    res = {}
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}", flush=True)
+    for rows in (1, 8):
+        logits = (np.random.default_rng(rows).standard_normal((rows, v)) * 3).astype(np.float32)
+        for mode, (tv, kv, pv) in MODES.items():
+            params = [SamplingParams(temperature=tv, top_k=kv or 0, top_p=pv, seed=i if i % 2 else None)
+                      for i in range(rows)]
+            cands = [("numpy", None)] + ([("compiled", compiled)] if compiled is not None else [])
+            ref = None
+            for tag, comp in cands:
+                md = SamplingMetadata.from_requests(params, [[1]] * rows, [[]] * rows, v,
+                                                    generators=[p.new_generator() for p in params])
+                sampler = Sampler(0, compiled=comp) if comp is not None else Sampler(0)
+                got = [sampler.sample(logits, md).sampled_token_ids.tolist() for _ in range(3)]
+                ref = ref or got
+                times = []
+                for _ in range(a.reps):
+                    t0 = time.perf_counter()
+                    sampler.sample(logits, md)
+                    times.append(time.perf_counter() - t0)
+                ms = float(np.median(times)) * 1e3
+                res[f"{rows}/{mode}/{tag}"] = ms
+                print(f"rows {rows:4d} {mode:8s} {tag:9s} {ms:8.3f} ms a step  same={got == ref}", flush=True)
+    la = os.getloadavg()
+    print(f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--vocab", type=int)
     ap.add_argument("--baseline", action="append", default=[])
+    ap.add_argument("--cpu", action="store_true", help="time the host Sampler instead of the GPU kernel")
+    ap.add_argument("--reps", type=int, default=30, help="--cpu: timed steps per case")
     ap.add_argument("--json")
     a = ap.parse_args()
-    v = a.vocab
+    if a.cpu:
+        res = cpu_main(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    from kiln.codegen.autotune import Bench, Timed
+    from kiln.codegen.triton.sampling import sampling_spec
+    from kiln.runtime.worker.cuda_driver import CudaContext
+    from kiln.runtime.sample.phases import PHASE_TOKEN, sample_phases, sample_scratch
+
+    v = a.vocab or 128256
     b = Bench(CudaContext(), "sm_90", progress=lambda s: None)
     res = {}
     for rows in (1, 8, 512):

@@ -3,7 +3,8 @@ closed-loop streaming clients at each concurrency level, next to the offline eng
 requests.
 
 Per level C: --num-requests requests (default max(4, 2C)) of exactly --input-len random token
-ids, streaming /v1/completions with max_tokens --output-len, greedy, ignore_eos;
+ids, streaming /v1/completions with max_tokens --output-len, greedy (or --temperature with
+--top-k and --top-p, unseeded: the server's sampler on the host), ignore_eos;
 C workers each send their next request when the last one ends. TTFT = first chunk with a token
 - send time; TPOT = (last chunk - first chunk) / (tokens - 1), counting tokens from the
 return_token_ids of each chunk; output tok/s = the level's tokens / its wall time.
@@ -54,13 +55,20 @@ def level_stats(conc: int, ttfts, tpots, tokens: int, wall: float, expected: int
             "output_tok_s": tokens / wall, "ttft_ms": summary_ms(ttfts), "tpot_ms": summary_ms(tpots)}
 
 
+def request_sampling(a) -> dict:
+    """The requests' sampling fields: greedy, or the bench's --temperature, --top-k, --top-p."""
+    if not getattr(a, "temperature", 0):
+        return {"temperature": 0}
+    return {"temperature": a.temperature, "top_k": a.top_k or -1, "top_p": a.top_p}
+
+
 def offline_level(llm, a, conc: int, prompts: list[list[int]]) -> dict:
     from kiln.bench.workloads import check_lengths, sampling
 
     outs = []
     t0 = time.perf_counter()
     for k in range(0, len(prompts), conc):
-        outs += llm.generate(prompts[k:k + conc], sampling(a.output_len))
+        outs += llm.generate(prompts[k:k + conc], sampling(a.output_len, a))
     wall = time.perf_counter() - t0
     tokens = check_lengths(outs, [a.output_len] * len(outs))
     return level_stats(conc, [o.metrics.ttft for o in outs], [o.metrics.tpot for o in outs], tokens, wall,
@@ -172,19 +180,23 @@ def timings(sent: float, events: list[tuple[float, list[int]]]) -> tuple[float, 
     return first - sent, (last - first) / (tokens - 1) if tokens > 1 else None, tokens
 
 
-async def lean_request(conn: SSEConnection, prompt: list[int], max_tokens: int) -> tuple[float, float | None, int]:
+async def lean_request(conn: SSEConnection, prompt: list[int], max_tokens: int,
+                       sampling: dict | None = None) -> tuple[float, float | None, int]:
     """-> (TTFT, TPOT or None for one token, tokens) of one streamed completion."""
     return timings(*await conn.completion({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                                           "temperature": 0, "stream": True, "ignore_eos": True,
-                                           "return_token_ids": True}))
+                                           **(sampling or {"temperature": 0}), "stream": True,
+                                           "ignore_eos": True, "return_token_ids": True}))
 
 
-async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[float, float | None, int]:
+async def one_request(client, prompt: list[int], max_tokens: int,
+                      sampling: dict | None = None) -> tuple[float, float | None, int]:
     """The same through the official openai client."""
+    sampling = dict(sampling or {"temperature": 0})
+    top_k = sampling.pop("top_k", None)
     sent = time.perf_counter()
     stream = await client.completions.create(
-        model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
+        model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, stream=True, **sampling,
+        extra_body={"ignore_eos": True, "return_token_ids": True, **({"top_k": top_k} if top_k else {})})
     first = last = None
     tokens = 0
     async for chunk in stream:
@@ -220,7 +232,7 @@ async def server_level(url: str, a, conc: int, prompts: list[list[int]]) -> dict
 
     async def worker(send) -> None:
         while todo:
-            results.append(await send(todo.pop(), a.output_len))
+            results.append(await send(todo.pop(), a.output_len, request_sampling(a)))
             bar.update(1)
     try:
         t0 = time.perf_counter()

@@ -372,7 +372,7 @@ def run_bench(args: argparse.Namespace) -> int:
               "peers": peers, "command": command_line(args), "model": a.model, "target": a.target,
               "kv_cache_dtype": a.kv_cache_dtype, "quantization": getattr(a, "quantization", None),
               "sampling": ({"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}
-                           if a.temperature and a.workload in ("decode", "throughput", "random-256") else "greedy"),
+                           if a.temperature and a.workload in ("decode", "throughput", "random-256", "server") else "greedy"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **res}
     line = f"[kiln] {a.workload}: {record['metric']} = {record['value']:.2f}"
     if record["roofline"]:
