@@ -699,25 +699,41 @@ class _Lowerer:
             return False
         lo, hi = self.position[node.name], self.position[sm.name]
         return not any(self.position[n.name] in range(lo + 1, hi) for n in self.g.nodes.values()
-                       if n.op in ("moe_experts", "moe_experts_gguf"))
+                       if n.op in ("moe_experts", "moe_experts_gguf", "moe_experts_fp8"))
 
     def op_moe_experts_gguf(self, node) -> None:
         """op_moe_experts with the experts in GGUF blocks (graph/gguf_ops.py): the same path, tiles
         and scratch as the bf16 experts of these shapes, the blocks dequantised in the expert
         GEMMs' K loops (codegen/triton/moe_gemm.py)."""
         x, ids, weights, w13, w2 = (self.buf(t) for t in node.inputs)
+        self._quantised_moe(node, x, ids, weights, w13, w2, qtypes=tuple(node.attrs["qtypes"]))
+
+    def op_moe_experts_fp8(self, node) -> None:
+        """op_moe_experts with block-wise FP8 experts (graph/fp8_ops.py moe_experts_fp8): x e4m3 with
+        its scales (the layer's quant_fp8), the e4m3 experts and their block scales read by the same
+        expert GEMMs (codegen/triton/moe_gemm.py FP8, the intermediate quantised in down's K loop);
+        the same path and scratch as the bf16 experts of these shapes, the tiles made wgmma tiles on
+        sm_90 (moe.fp8_tiles)."""
+        xq, xs, ids, weights, w13, s13, w2, s2 = (self.buf(t) for t in node.inputs)
+        self._quantised_moe(node, xq, ids, weights, w13, w2, fp8=(xs, s13, s2), block=tuple(node.attrs["block"]),
+                            min_scale=node.attrs.get("min_scale", 0.0))
+
+    def _quantised_moe(self, node, x, ids, weights, w13, w2, **quant) -> None:
+        """A MoE experts layer over quantised experts (GGUF blocks or FP8): its path, tiles and scratch
+        are the bf16 experts' of these shapes and the activation dtype (the output's)."""
+        out = self.buf(node.outputs[0])
         t, k = ids.shape
         e, two_i, _ = w13.shape
-        h = x.shape[1]
-        dt = dtype_name(x)
+        h = out.shape[1]
+        dt = dtype_name(out)
         cfg = self.configs.moe(t, k, e, h, two_i // 2, dt, self.arch)
-        need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=cfg.path, block_m=cfg.tiles[0].block_m)
-        ws = {name: self.workspace(f"moe_{name}", shape, x.np_dtype if d == dt else np.dtype(d))
+        tiles = k_moe.fp8_tiles(cfg.tiles, self.arch) if "fp8" in quant else cfg.tiles
+        need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=cfg.path, block_m=tiles[0].block_m)
+        ws = {name: self.workspace(f"moe_{name}", shape, out.np_dtype if d == dt else np.dtype(d))
               for name, (shape, d) in need.items()}
         defer = self._defer_moe_sum(node, cfg.path)
-        k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=cfg.path, tiles=cfg.tiles,
-                          n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch,
-                          qtypes=tuple(node.attrs["qtypes"]), defer_sum=defer)
+        k_moe.moe_experts(x, ids, weights, w13, w2, out, path=cfg.path, tiles=tiles,
+                          n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch, defer_sum=defer, **quant)
         if defer:
             self.moe_pending[node.outputs[0]] = (ws["o"], weights, self.n_rows(node.inputs[0]))
 

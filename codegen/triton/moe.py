@@ -38,7 +38,7 @@ import numpy as np
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, check_inner_contiguous, dtype_name,
                                         launch, shape_of, strides_of)
 from kiln.codegen.triton.moe_align import moe_align, moe_align_capacity, moe_align_spec
-from kiln.codegen.triton.moe_gemm import MoeTile, moe_down_spec, moe_gate_up_spec, moe_sum_spec
+from kiln.codegen.triton.moe_gemm import Fp8Experts, MoeTile, moe_down_spec, moe_gate_up_spec, moe_sum_spec
 from kiln.graph.gguf_blocks import BLOCKS, row_bytes
 
 DECODE_MAX_ASSIGNMENTS = 64  # T * k up to which a bucket takes the decode path (a speed knob)
@@ -80,28 +80,41 @@ def gguf_tiles(tiles: tuple[MoeTile, MoeTile], h: int, i: int) -> tuple[MoeTile,
             dn if i % dn.block_k == 0 else replace(dn, block_k=32))
 
 
+def fp8_tiles(tiles: tuple[MoeTile, MoeTile], arch: str) -> tuple[MoeTile, MoeTile]:
+    """FP8 experts (moe_gemm.Fp8Experts): on sm_90 every tile 64 rows at least and whole warpgroups
+    (e4m3 wgmma in every bucket); a schedule knob that moves no sum. The decode form's rows are
+    Fp8Experts.decode_m whatever the tile says."""
+    if arch != "sm_90":
+        return tiles
+    return tuple(replace(t, block_m=max(64, t.block_m), num_warps=max(4, -(-t.num_warps // 4) * 4)) for t in tiles)
+
+
 def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *,
                       path: str | None = None, tiles: tuple[MoeTile, MoeTile] | None = None,
-                      arch: str = "sm_90", qtypes: tuple[str, str] | None = None) -> list[KernelSpec]:
+                      arch: str = "sm_90", qtypes: tuple[str, str] | None = None,
+                      fp8: Fp8Experts | None = None) -> list[KernelSpec]:
     """The launches of one MoE experts layer for a bucket of T tokens, in order (the router's is
-    moe_router_spec). qtypes: (w13's, w2's) GGUF block formats, for experts kept in their blocks."""
+    moe_router_spec). qtypes: (w13's, w2's) GGUF block formats, for experts kept in their blocks;
+    fp8: block-wise FP8 experts (x e4m3 with its scales; dtype: the activations')."""
     path = path or moe_path(t, top_k)
     gu, dn = tiles or moe_tiles(t, top_k, e, h, i, arch, path)
     q13, q2 = qtypes or (None, None)
     if qtypes:
         gu, dn = gguf_tiles((gu, dn), h, i)
+    if fp8:
+        gu, dn = fp8_tiles((gu, dn), fp8.arch)
     if path == "decode":
-        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13),
-                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, split=True),
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, fp8=fp8),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, split=True, fp8=fp8),
                 moe_sum_spec(t, top_k, h, dtype)]
     if path == "decode_token":
-        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13),
-                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2)]
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, fp8=fp8),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, fp8=fp8)]
     check(path == "grouped", f"moe: unknown path {path!r}")
     check(gu.block_m == dn.block_m, "moe: gate_up and down share the align step's BLOCK_M")
     return [moe_align_spec(t, top_k, e, gu.block_m),
-            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False, qtype=q13),
-            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False, qtype=q2),
+            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False, qtype=q13, fp8=fp8),
+            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False, qtype=q2, fp8=fp8),
             moe_sum_spec(t, top_k, h, dtype)]
 
 
@@ -122,9 +135,9 @@ def _unwrap(b):
     return b.array if getattr(b, "on_host", False) else b
 
 
-def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None):
+def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None, fp8=None):
     check(len(shape_of(x)) == 2, "moe: x must be [T, H]")
-    check_dtype(x, ("bfloat16", "float16", "float32"), "moe x")
+    check_dtype(x, ("float8_e4m3fn",) if fp8 else ("bfloat16", "float16", "float32"), "moe x")
     check_inner_contiguous(x, "moe x")
     t, h = shape_of(x)
     check(len(shape_of(w13)) == 3 and shape_of(w13)[1] % 2 == 0, f"moe: w13 {list(shape_of(w13))} is not [E, 2I, H]")
@@ -141,6 +154,15 @@ def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None):
         check(shape_of(w13)[2] == h, f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {h}]")
         check(shape_of(w2) == (e, h, i), f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {i}]")
         check(dtype_name(w13) == dtype_name(x) and dtype_name(w2) == dtype_name(x), "moe: x, w13, w2 dtypes differ")
+    if fp8:  # (xs, s13, s2): the scales of x [T, H / bk], w13 [E, 2I / bn, H / bk], w2 [E, ceil(H / bn), I / bk]
+        (xs, s13, s2), (bn, bk) = fp8
+        check(h % bk == 0 and i % bk == 0 and i % bn == 0, f"moe: FP8 experts of H={h}, I={i} are not whole "
+              f"[{bn}, {bk}] blocks")
+        for b, shape, name in ((xs, (t, h // bk), "xs"), (s13, (e, 2 * i // bn, h // bk), "s13"),
+                               (s2, (e, -(-h // bn), i // bk), "s2")):
+            check(shape_of(b) == shape and dtype_name(b) == "float32",
+                  f"moe: FP8 scales {name} must be f32{list(shape)}")
+            check_inner_contiguous(b, f"moe {name}", len(shape))
     for b, name in ((w13, "w13"), (w2, "w2")):
         check_inner_contiguous(b, f"moe {name}", 3)
     check(len(shape_of(topk_ids)) == 2 and shape_of(topk_ids)[0] == t, "moe: topk_ids must be [T, k]")
@@ -153,22 +175,33 @@ def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None):
 
 def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | None = None,
                 tiles: tuple[MoeTile, MoeTile] | None = None, n_rows=None, workspace: dict | None = None,
-                arch: str = "sm_90", qtypes: tuple[str, str] | None = None, defer_sum: bool = False):
+                arch: str = "sm_90", qtypes: tuple[str, str] | None = None, defer_sum: bool = False,
+                fp8: tuple | None = None, block: tuple[int, int] | None = None, min_scale: float = 0.0):
     """x: [T, H] (rows may be strided), topk_ids i32[T, k], topk_weights f32[T, k], w13 [E, 2I, H],
     w2 [E, H, I] -> y [T, H] in x's dtype (the graph op moe_experts). n_rows: i32[1] live tokens
     (default T; rows past it are not written). workspace: moe_workspace's buffers by name
     (allocated here for host arrays). qtypes: (w13's, w2's) GGUF block formats, w13 and w2 then
     u8 rows of blocks [E, 2I, RB], [E, H, RB'] (moe_experts_gguf). defer_sum (the "decode" and
     "grouped" paths): the expert rows are left in workspace["o"] and the rank-order sum is not
-    launched (out is not written): moe_sum does it later, with the shared expert's add."""
+    launched (out is not written): moe_sum does it later, with the shared expert's add.
+    fp8: (xs, s13, s2) for block-wise FP8 experts (moe_experts_fp8): x, w13, w2 e4m3, xs f32 [T, H / bk]
+    x's scales, s13 and s2 the weights' per [bn, bk] = block; out (default bf16) sets the activation
+    dtype; the intermediate is quantised with min_scale inside the down GEMM."""
     x, topk_ids, topk_weights, w13, w2, out, n_rows = map(as_buf, (x, topk_ids, topk_weights, w13, w2, out, n_rows))
-    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes)
+    fp8 = (tuple(map(as_buf, fp8)), tuple(block)) if fp8 is not None else None
+    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes, fp8)
     path = path or moe_path(t, k)
     check(not (defer_sum and path == "decode_token"), "moe: the decode_token path sums in its down GEMM")
     gu, dn = tiles or moe_tiles(t, k, e, h, i, arch, path)
-    dt = dtype_name(x)
-    out = out if out is not None else as_buf(np.empty((t, h), x.dtype))
-    check(shape_of(out) == (t, h) and dtype_name(out) == dt, f"moe: out must be [{t}, {h}] {dt}")
+    if fp8:
+        gu, dn = fp8_tiles((gu, dn), arch)
+    if out is None:
+        import ml_dtypes
+        out = as_buf(np.empty((t, h), ml_dtypes.bfloat16 if fp8 else x.dtype))
+    dt = dtype_name(out) if fp8 else dtype_name(x)  # the activation dtype
+    check(shape_of(out) == (t, h) and dtype_name(out) == dt and dt != "float8_e4m3fn",
+          f"moe: out must be [{t}, {h}] {dt}")
+    act = np.dtype(out.dtype) if getattr(out, "on_host", False) else None
     check_inner_contiguous(out, "moe out")
     n_rows = n_rows if n_rows is not None else as_buf(np.array([t], np.int32))
     need = moe_workspace(t, k, e, h, i, dt, path=path, block_m=gu.block_m)
@@ -176,18 +209,21 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
     for name, (shape, d) in need.items():
         if name not in ws:
             check(getattr(x, "on_host", False), f"moe: device buffers need workspace[{name!r}] {d}{list(shape)}")
-            ws[name] = as_buf(np.empty(shape, np.dtype(x.dtype) if d == dt else d))
+            ws[name] = as_buf(np.empty(shape, act if d == dt else d))
         check(shape_of(ws[name]) == shape and dtype_name(ws[name]) == d, f"moe: workspace[{name!r}] must be "
               f"{d}{list(shape)}")
-    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch, qtypes=qtypes)
+    spec8 = Fp8Experts(fp8[1], min_scale, arch) if fp8 else None
+    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch, qtypes=qtypes, fp8=spec8)
+    # FP8: x's and the weights' scales; otherwise placeholders of the types the specs give them
+    (xs, s13, s2), sx = (fp8[0], strides_of(fp8[0][0])[0]) if fp8 else ((x, w13, w2), 0)
     if path in DECODE_PATHS:
         gate_up, down = specs[:2]
         meta = [topk_ids, topk_ids, topk_ids, n_rows, n_rows, 0, t * k]  # no sorted rows: placeholders
-        launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
+        launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0], xs, s13, sx])
         if path == "decode_token":
-            launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0]])  # (o: unused)
+            launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0], s2])  # (o: unused)
             return _unwrap(out)
-        launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0]])  # (y: unused)
+        launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0], s2])  # (y: unused)
         if not defer_sum:
             moe_sum(ws["o"], topk_weights, out, n_rows=n_rows)
         return _unwrap(out)
@@ -196,8 +232,8 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
               block_expert=ws["block_expert"], n_post=ws["n_post"])
     em = shape_of(ws["sorted_ids"])[0]
     meta = [topk_ids, ws["sorted_ids"], ws["block_expert"], ws["n_post"], n_rows, em, t * k]
-    launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0]])
-    launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0]])
+    launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0], xs, s13, sx])
+    launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0], s2])
     if not defer_sum:
         moe_sum(ws["o"], topk_weights, out, n_rows=n_rows)
     return _unwrap(out)

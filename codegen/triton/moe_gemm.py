@@ -42,6 +42,19 @@ GGUF blocks, u8 [E, 2I, RB] and [E, H, RB'] (RB bytes a row: graph/gguf_blocks.p
 K step's weight tile is dequantised in registers (gguf_gemm._dequant, gguf-py's f32 values)
 and rounded to the activation dtype before the same tl.dot chain: the bits of these kernels on
 the experts dequantised at load and stored in that dtype.
+
+Block-wise FP8 experts (FP8, graph/fp8_ops.py moe_experts_fp8, W8A8 as fp8_gemm.py's linear_fp8):
+w13 and w2 are e4m3 with f32 scales per [BN_W, BK_W] block (s13 [E, 2I/BN_W, H/BK_W], s2
+[E, H/BN_W, I/BK_W]); gate_up reads x already quantised (e4m3 with its per-token per-BK_W-column
+scales: the layer's quant_fp8), down quantises the SiLU-and-mul rows `a` (stored in the activation
+dtype, as for bf16 experts) a BK_W-column group at a time as it reads them (_expert_sums_fp8), so
+no e4m3 copy of a is written. Each group is one e4m3 dot promoted into the f32 sum, scaled by the
+activation's and the weight block's scales in linear_fp8's order, groups in K order. vLLM's fused
+MoE does the same arithmetic with a separate per_token_group_quant_fp8 of the intermediate
+(vllm/model_executor/layers/fused_moe/fused_moe.py, fused_moe_kernel with block_shape). The sm_90
+tensor-core rule of fp8_gemm.py holds here too: every FP8 expert tile has 64 rows at least and
+whole warpgroups, the decode form included (its one live row in a 64-row program), so that a
+token's row has the same bits in every form (moe.fp8_tiles, Fp8Experts.decode_m).
 """
 from __future__ import annotations
 
@@ -50,6 +63,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from kiln.codegen.triton.fp8_gemm import _dot_block
 from kiln.codegen.triton.gemm import _dot_acc, _tile_ids
 from kiln.codegen.triton.gguf_gemm import QTYPES, _dequant
 from kiln.graph.gguf_blocks import row_bytes
@@ -97,24 +111,73 @@ def _w_tile(w_ptr, w_rows, rn, rk, dt, N: tl.constexpr, K: tl.constexpr, QT: tl.
 @triton.jit
 def _expert_sums(x_rows, row_ok, w_ptr, w2_ptr, rn, N: tl.constexpr, K: tl.constexpr, TWO: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-                 QT: tl.constexpr = -1, RB: tl.constexpr = 0):
+                 QT: tl.constexpr = -1, RB: tl.constexpr = 0, xs_rows=None, ws_w=None, ws_w2=None,
+                 FP8: tl.constexpr = False, BN_W: tl.constexpr = 1, BK_W: tl.constexpr = 1,
+                 QUANT_A: tl.constexpr = False, MIN_SCALE: tl.constexpr = 0.0):
     """f32 [BM, BN] sums x_rows . w[rn] over K from 0 in increasing order (TWO: also against
     w2, the up rows of the same expert, sharing the x loads). x_rows: [BM] pointers to rows of
     K elements, row_ok: [BM]; w_ptr, w2_ptr: an expert's [N, K] rows (packed), or with QT >= 0
-    its [N, RB] rows of GGUF blocks (rows past N clamped: read, never stored); rn: [BN]."""
+    its [N, RB] rows of GGUF blocks (rows past N clamped: read, never stored); rn: [BN].
+    FP8: block-wise e4m3 experts (_expert_sums_fp8)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if QT >= 0:
-        w_rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :] * RB  # [1, BN] byte offsets
-    else:
-        w_rows = rn.to(tl.int64)[None, :] * K  # [1, BN]
-    STEP: tl.constexpr = 16 if INTERPRET else BLOCK_K  # gemm._split_acc says why
-    for k0 in range(0, K, STEP):
-        rk = k0 + tl.arange(0, STEP)
-        a = tl.load(x_rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
-        acc = _dot_acc(a, _w_tile(w_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc, INTERPRET)
+    if FP8:
+        acc, acc2 = _expert_sums_fp8(x_rows, row_ok, w_ptr, w2_ptr, rn, xs_rows, ws_w, ws_w2, acc, acc2, N, K, TWO,
+                                     BLOCK_M, INTERPRET, BN_W, BK_W, QUANT_A, MIN_SCALE)
+    else:  # (an if/else: the compiler lowers what follows a constexpr branch's return too)
+        if QT >= 0:
+            w_rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :] * RB  # [1, BN] byte offsets
+        else:
+            w_rows = rn.to(tl.int64)[None, :] * K  # [1, BN]
+        STEP: tl.constexpr = 16 if INTERPRET else BLOCK_K  # gemm._split_acc says why
+        for k0 in range(0, K, STEP):
+            rk = k0 + tl.arange(0, STEP)
+            a = tl.load(x_rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
+            acc = _dot_acc(a, _w_tile(w_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc, INTERPRET)
+            if TWO:
+                acc2 = _dot_acc(a, _w_tile(w2_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc2, INTERPRET)
+    return acc, acc2
+
+
+@triton.jit
+def _expert_sums_fp8(x_rows, row_ok, w_ptr, w2_ptr, rn, xs_rows, ws_w, ws_w2, acc, acc2, N: tl.constexpr,
+                     K: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+                     BN_W: tl.constexpr, BK_W: tl.constexpr, QUANT_A: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """_expert_sums of block-wise FP8 experts (graph/fp8_ops.py moe_experts_fp8, W8A8 as linear_fp8):
+    w_ptr, w2_ptr e4m3 [N, K] rows; ws_w, ws_w2 their f32 scales [N / BN_W, K / BK_W]. For each
+    BK_W-column group j in K order: P = x[:, group] . w[rn, group] as one e4m3 dot (fp8_gemm's
+    _dot_block: promoted into f32 once a group), then acc += (P * xs[:, j]) * ws[rn // BN_W, j],
+    linear_fp8's order. The activations: QUANT_A False, x_rows are e4m3 rows with f32 scales at
+    xs_rows[j] (quant_fp8's output); QUANT_A, x_rows are rows in the activation dtype (the SiLU-and-
+    mul a) quantised here a group at a time as graph/fp8_ops.quantize_fp8 and fp8_quant._quantize_row
+    do: s = max(amax / 448, MIN_SCALE), q = clamp(x / s, +-448) to e4m3, both divisions div_rn.
+    Each column program quantises its rows again: the same bits, the [T*k, I] e4m3 copy never stored.
+    A group narrower than the 32 columns an e4m3 dot takes loads 32 masked to the group (zeros)."""
+    GP: tl.constexpr = 32 if BK_W < 32 else BK_W  # the group's columns, padded
+    KB: tl.constexpr = K // BK_W  # groups (K is whole groups)
+    kin = tl.arange(0, GP)
+    kok = kin < BK_W
+    w_rows = rn.to(tl.int64)[None, :] * K  # [1, BN]
+    ws_rows = (tl.minimum(rn, N - 1) // BN_W) * KB  # [BN]: each column's row of scales (past N: read, unused)
+    n_ok = rn < N
+    for j in range(KB):
+        rk = j * BK_W + kin
+        a = tl.load(x_rows[:, None] + rk[None, :], mask=row_ok[:, None] & kok[None, :], other=0.0)
+        if QUANT_A:
+            af = a.to(tl.float32)
+            amax = tl.max(tl.abs(af), axis=1)  # [BM]; exact in any order
+            xs = tl.maximum(tl.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32)), MIN_SCALE)
+            q = tl.div_rn(af, tl.broadcast_to(xs[:, None], (BLOCK_M, GP)))
+            a = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        else:
+            xs = tl.load(xs_rows + j, mask=row_ok, other=0.0)  # [BM]
+        b = tl.load(w_ptr + w_rows + rk[:, None], mask=n_ok[None, :] & kok[:, None], other=0.0)
+        part = _dot_block(a, b, tl.zeros_like(acc), GP, INTERPRET)
+        acc += (part * xs[:, None]) * tl.load(ws_w + ws_rows + j)[None, :]
         if TWO:
-            acc2 = _dot_acc(a, _w_tile(w2_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc2, INTERPRET)
+            b2 = tl.load(w2_ptr + w_rows + rk[:, None], mask=n_ok[None, :] & kok[:, None], other=0.0)
+            part2 = _dot_block(a, b2, tl.zeros_like(acc2), GP, INTERPRET)
+            acc2 += (part2 * xs[:, None]) * tl.load(ws_w2 + ws_rows + j)[None, :]
     return acc, acc2
 
 
@@ -135,13 +198,16 @@ def _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr, n_rows_ptr,
-                       EM, NUM_ROWS, stride_x,
+                       EM, NUM_ROWS, stride_x, xs_ptr, ws_ptr, stride_xs,
                        I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
                        INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
-                       RB: tl.constexpr = 0):
+                       RB: tl.constexpr = 0, FP8: tl.constexpr = False, BN_W: tl.constexpr = 1,
+                       BK_W: tl.constexpr = 1):
     # x: [T, H] (rows strided); w: [E, 2I, H] (gate rows, then up rows; QT >= 0: [E, 2I, RB] GGUF
     # blocks); a: [T*k, I] packed
+    # FP8: x e4m3 with scales xs f32 [T, H / BK_W] (rows strided by stride_xs), w e4m3 with scales
+    # ws f32 [E, 2I / BN_W, H / BK_W]; otherwise xs_ptr, ws_ptr, stride_xs are unused placeholders
     # grid: grouped (cdiv(EM, BM) * cdiv(I, BN),); decode (cdiv(I, BN), T*k)
     pdl_enter(PDL)  # before any global access (pdl.py)
     if DECODE:
@@ -158,11 +224,15 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
             return
         rows, e = _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, DECODE)
     ok = rows < NUM_ROWS
-    x_rows = x_ptr + (tl.where(ok, rows, 0) // TOPK).to(tl.int64) * stride_x  # [BM]: token t of r
+    tok = (tl.where(ok, rows, 0) // TOPK).to(tl.int64)  # [BM]: token t of r
+    x_rows = x_ptr + tok * stride_x
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ROW: tl.constexpr = RB if QT >= 0 else H  # w's elements a row
     wg = w_ptr + e * (2 * I * ROW)
-    g, u = _expert_sums(x_rows, ok, wg, wg + I * ROW, rn, I, H, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB)
+    SR: tl.constexpr = (H // BK_W) * (I // BN_W)  # FP8: scales of the gate (or up) rows of an expert
+    wsg = ws_ptr + e * (2 * SR)
+    g, u = _expert_sums(x_rows, ok, wg, wg + I * ROW, rn, I, H, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB,
+                        xs_ptr + tok * stride_xs, wsg, wsg + SR, FP8, BN_W, BK_W)
     dt = a_ptr.dtype.element_ty
     g = g.to(dt).to(tl.float32)  # what a dense gate_up linear would store
     u = u.to(dt).to(tl.float32)
@@ -173,17 +243,21 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
 
 @triton.jit
 def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr,
-                    n_rows_ptr, EM, NUM_ROWS, stride_y,
+                    n_rows_ptr, EM, NUM_ROWS, stride_y, ws_ptr,
                     I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
-                    RB: tl.constexpr = 0, SPLIT: tl.constexpr = False):
+                    RB: tl.constexpr = 0, SPLIT: tl.constexpr = False, FP8: tl.constexpr = False,
+                    BN_W: tl.constexpr = 1, BK_W: tl.constexpr = 1, MIN_SCALE: tl.constexpr = 0.0):
+    # FP8: w e4m3 [E, H, I] with scales ws f32 [E, H / BN_W, I / BK_W]; a (the activation dtype) is
+    # quantised per row per BK_W columns as the K loop reads it (_expert_sums_fp8); ws_ptr otherwise unused
     # a: [T*k, I] packed; w: [E, H, I] (QT >= 0: [E, H, RB] GGUF blocks); tw: f32[T*k] routing weights
     # grouped: o: [T*k, H] packed (the dtype's), grid (cdiv(EM, BM) * cdiv(H, BN),); tw, y unused
     # decode, SPLIT: o as grouped, a program per (column block, assignment), grid (cdiv(H, BN), T*k)
     # decode, not SPLIT: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
     pdl_enter(PDL)  # before any global access (pdl.py)
     ROW: tl.constexpr = RB if QT >= 0 else I  # w's elements a row
+    SR: tl.constexpr = ((H + BN_W - 1) // BN_W) * (I // BK_W)  # FP8: an expert's scales
     if DECODE and not SPLIT:
         pid_n, t = tl.program_id(0), tl.program_id(1)
         if t >= tl.load(n_rows_ptr):
@@ -194,7 +268,8 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
             rows, e = _rows(0, t * TOPK + j, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M, True)
             ok = rows < NUM_ROWS
             acc, _ = _expert_sums(a_ptr + rows.to(tl.int64) * I, ok, w_ptr + e * (H * ROW), w_ptr, rn, H, I, False,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB)
+                                  BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB, ws_ptr, ws_ptr + e * SR, ws_ptr,
+                                  FP8, BN_W, BK_W, True, MIN_SCALE)
             o = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, as a linear stores it
             y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
         lane = tl.arange(0, BLOCK_M)
@@ -216,7 +291,8 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
         safe = tl.where(ok, rows, 0).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, _ = _expert_sums(a_ptr + safe * I, ok, w_ptr + e * (H * ROW), w_ptr, rn, H, I, False,
-                              BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB)
+                              BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB, ws_ptr, ws_ptr + e * SR, ws_ptr,
+                              FP8, BN_W, BK_W, True, MIN_SCALE)
         # the expert's output, as a linear stores it (moe_sum_kernel weights it)
         tl.store(o_ptr + safe[:, None] * H + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=ok[:, None] & (rn[None, :] < H))
@@ -253,8 +329,11 @@ def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, x_ptr, gate_ptr, 
 
 
 def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h: int, i: int, *,
-               tile: MoeTile, decode: bool, qtype: str | None = None, split: bool = False) -> KernelSpec:
-    bm = 16 if decode else tile.block_m
+               tile: MoeTile, decode: bool, qtype: str | None = None, split: bool = False,
+               fp8: Fp8Experts | None = None) -> KernelSpec:
+    bm = (fp8.decode_m if fp8 else 16) if decode else tile.block_m
+    if fp8:
+        fp8.check(tile, bm, h, i)
     if decode:  # gate_up, and split down: a program per (column block, assignment); down: per (column block, token)
         grid = (cdiv(n_out, tile.block_n), t * top_k if kernel == "moe_gate_up_kernel" or split else t, 1)
     else:
@@ -263,9 +342,40 @@ def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h
         module=__name__, kernel=kernel, signature=sig,
         constexprs=dict(I=i, H=h, TOPK=top_k, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                         GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False, **({"SPLIT": True} if split else {}),
-                        **(_gguf_constexprs(qtype, h if kernel == "moe_gate_up_kernel" else i, tile) if qtype else {})),
+                        **(_gguf_constexprs(qtype, h if kernel == "moe_gate_up_kernel" else i, tile) if qtype else {}),
+                        **(fp8.constexprs(kernel) if fp8 else {})),
         grid=grid, num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible=tuple(n for n in sig if n.endswith("_ptr")))
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """Block-wise FP8 experts (graph/fp8_ops.py moe_experts_fp8): the weights' [bn, bk] scale blocks,
+    the intermediate's min_scale (quantize_fp8's zero guard), the target arch (whose tensor-core
+    rule sets the decode form's rows: fp8_gemm.py's module docstring)."""
+    block: tuple[int, int]
+    min_scale: float = 0.0
+    arch: str = "sm_90"
+
+    @property
+    def decode_m(self) -> int:
+        """sm_90: 64 rows (e4m3 wgmma) in the decode form too, so that a token's row gets the grouped
+        form's bits (a 16-row e4m3 dot is an f16 mma.sync there: other bits); sm_121: 16."""
+        return 64 if self.arch == "sm_90" else 16
+
+    def check(self, tile: MoeTile, bm: int, h: int, i: int) -> None:
+        bn, bk = self.block
+        if h % bk or i % bk or i % bn or bk & (bk - 1) or bk > 128:
+            raise ValueError(f"moe: FP8 experts of H={h}, I={i} need whole [{bn}, {bk}] blocks, bk a power of "
+                             f"two up to 128")
+        if self.arch == "sm_90" and (bm < 64 or tile.num_warps % 4):
+            raise ValueError(f"moe: an sm_90 FP8 expert tile needs BLOCK_M >= 64 and warpgroups (e4m3 wgmma "
+                             f"in every bucket), got {bm} rows, {tile.num_warps} warps")
+
+    def constexprs(self, kernel: str) -> dict:
+        bn, bk = self.block
+        return dict(FP8=True, BN_W=bn, BK_W=bk, **({"MIN_SCALE": self.min_scale} if kernel == "moe_down_kernel"
+                                                    else {}))
 
 
 def _gguf_constexprs(qtype: str, k: int, tile: MoeTile) -> dict:
@@ -280,25 +390,32 @@ _META = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "n
 
 
 def moe_gate_up_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
-                     decode: bool, qtype: str | None = None) -> KernelSpec:
-    """x [T, H] through w13 [E, 2I, H] (qtype: [E, 2I, RB] GGUF blocks) -> a [T*k, I]: grouped over
-    moe_align's blocks, or decode."""
+                     decode: bool, qtype: str | None = None, fp8: Fp8Experts | None = None) -> KernelSpec:
+    """x [T, H] through w13 [E, 2I, H] (qtype: [E, 2I, RB] GGUF blocks; fp8: e4m3 x and w13 with
+    their scales) -> a [T*k, I] in dtype: grouped over moe_align's blocks, or decode."""
     p = sig_type(dtype)
-    sig = {"x_ptr": p, "w_ptr": "*u8" if qtype else p, "a_ptr": p, **_META, "stride_x": "i32"}
-    return _gemm_spec("moe_gate_up_kernel", sig, i, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype)
+    w = "*fp8e4nv" if fp8 else "*u8" if qtype else p
+    x = "*fp8e4nv" if fp8 else p
+    sig = {"x_ptr": x, "w_ptr": w, "a_ptr": p, **_META, "stride_x": "i32",
+           "xs_ptr": "*fp32" if fp8 else x, "ws_ptr": "*fp32" if fp8 else w, "stride_xs": "i32"}
+    return _gemm_spec("moe_gate_up_kernel", sig, i, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype,
+                      fp8=fp8)
 
 
 def moe_down_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
-                  decode: bool, qtype: str | None = None, split: bool = False) -> KernelSpec:
-    """a [T*k, I] through w2 [E, H, I] (qtype: [E, H, RB] GGUF blocks): grouped, or decode with
-    split -> o [T*k, H] (then moe_sum); decode without -> y [T, H]."""
+                  decode: bool, qtype: str | None = None, split: bool = False,
+                  fp8: Fp8Experts | None = None) -> KernelSpec:
+    """a [T*k, I] through w2 [E, H, I] (qtype: [E, H, RB] GGUF blocks; fp8: e4m3 w2 with its scales,
+    a quantised in the K loop): grouped, or decode with split -> o [T*k, H] (then moe_sum); decode
+    without -> y [T, H]."""
     if split and not decode:
         raise ValueError("moe: split is a decode form of down")
     p = sig_type(dtype)
-    sig = {"a_ptr": p, "w_ptr": "*u8" if qtype else p, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META,
-           "stride_y": "i32"}
+    w = "*fp8e4nv" if fp8 else "*u8" if qtype else p
+    sig = {"a_ptr": p, "w_ptr": w, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META,
+           "stride_y": "i32", "ws_ptr": "*fp32" if fp8 else w}
     return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype,
-                      split=split)
+                      split=split, fp8=fp8)
 
 
 def moe_sum_spec(t: int, top_k: int, h: int, dtype: str = "bfloat16", *, block: int = 1024,

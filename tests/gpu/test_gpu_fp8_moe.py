@@ -1,0 +1,68 @@
+"""Block-wise FP8 MoE checkpoints on the GPU (codegen/triton/moe_gemm.py FP8 experts): the tiny FP8
+Qwen3-MoE ([128, 128] blocks on widened dimensions) and Qwen3.5-MoE ([16, 16] blocks, shared expert,
+GDN layers) of tests/test_fp8_moe.py through the GPU engine, against the cpu target's executor, and
+the engine's invariance (greedy alone = batched = chunked; the FP8 expert GEMMs run e4m3 wgmma in
+the decode and grouped forms alike on sm_90, so a token's row has one set of bits in every bucket).
+
+Logits oracle as tests/gpu/test_gpu_fp8.py's (its module docstring says why): the same FP8 graph in
+bf16 run by the numpy executor is the yardstick of what the storage dtype alone does; the GPU must be
+as close to the f32 cpu executor as that, within a factor of 2 plus 1e-2 of the largest logit. A
+wrong expert scale, a missing group or an expert GEMM on e4m3 bytes without scales moves the logits
+by their own size. Not yet run on a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.loader import build_graph, load
+from kiln.runtime.worker.cpu_executor import CpuExecutor
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel
+from tests.test_fp8_moe import CASES, make_fp8_moe_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
+def fp8_moe(request, tmp_path_factory, gpu_target):
+    variant, block, overrides = request.param
+    d = tmp_path_factory.mktemp(f"{variant}_fp8")
+    make_fp8_moe_checkpoint(d, variant, block, **overrides)
+    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
+    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
+               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
+    assert "moe_experts_fp8" in [n.op for n in gpu.graph.nodes.values()]
+    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
+                       num_state_slots=64)
+    return variant, d, cpu, gpu, bf16
+
+
+def test_fp8_moe_logits_match_the_cpu_executor(fp8_moe):
+    name, _, cpu, gpu, bf16 = fp8_moe
+    prompts = [p[:30] for p in _prompts(8, seed=1)]
+    want = _last_logits(cpu.executor, cpu.graph.outputs[0], prompts)
+    got = _last_logits(gpu.executor, gpu.graph.outputs[0], prompts)
+    ref16 = _last_logits(bf16, bf16.graph.outputs[0], prompts)
+    assert got.shape == want.shape and bool((got == got).all()), name
+    errs = [(_rel(g, w), _rel(r, w)) for g, w, r in zip(got, want, ref16)]
+    print(f"\n[{name}] per prompt (GPU vs cpu f32, numpy bf16 vs cpu f32): "
+          + ", ".join(f"{e:.2e}/{r:.2e}" for e, r in errs))
+    for i, (err, storage) in enumerate(errs):
+        assert err <= 2 * storage + 1e-2, f"{name} prompt {i}: {err:.2e} from the cpu target, bf16 storage alone " \
+                                          f"{storage:.2e}"
+
+
+def test_fp8_moe_greedy_alone_batched_chunked(fp8_moe, gpu_target):
+    name, d, _, _, _ = fp8_moe
+    prompts = _prompts(16, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32,
+                  bundle_dir=str(d / "bundle_llm"))
+    big = LLM(d, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, **common)
+    alone = [big.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    batched = [o.outputs[0].token_ids for o in big.generate(prompts, sp)]
+    assert batched == alone, f"{name}: batched differs from alone"
+    small = LLM(d, max_num_batched_tokens=32, kv_cache_tokens=16 * 1024, enable_prefix_caching=False,
+                **{**common, "bundle_dir": str(d / "bundle32")})
+    chunked = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
+    assert chunked == alone, f"{name}: chunked (budget 32) differs from alone"
