@@ -18,7 +18,8 @@ e4m3 values are too wherever the producer's row is (for quant_fp8 always).
 
 Rows: the whole row sits in one program (BLOCK = next_pow2(N)), which the norm needs for its
 mean anyway; the row is cut into its groups by a reshape, so `group` is a power of two or the
-whole row (per-token scales). Programs of tokens >= *n_rows_ptr return at once. No sum but the
+whole row (per-token scales); the group count need not be one (the row's padding makes whole
+groups whose scales are not stored). Programs of tokens >= *n_rows_ptr return at once. No sum but the
 norm's crosses a program, and the norm's order is rms_norm.py's (fixed by N), so the output does
 not depend on the bucket.
 
@@ -44,9 +45,11 @@ MODES = {"quant": 0, "rms_norm": 1, "add_rms_norm": 2, "silu_mul": 3}  # the pro
 
 @triton.jit
 def _quantize_row(y, cols, mask, q_row, s_row, s_ptr0, s_ptr1, s_ptr2, min_scale,
-                  N_STATIC: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+                  N_STATIC: tl.constexpr, GROUPS: tl.constexpr, GW: tl.constexpr, BLOCK: tl.constexpr):
     """y: f32 [BLOCK], the row's values (exactly representable in the storage dtype; 0 past N)
-    -> e4m3 at q_row[cols], the scales at s_row[0:GROUPS] (static: s_row[0])."""
+    -> e4m3 at q_row[cols], the scales at s_row[0:GROUPS] (static: s_row[0]). GW: columns per group
+    (BLOCK when GROUPS == 1); the row is cut into BLOCK // GW groups, a power of two, of which the
+    first GROUPS are real (N = GROUPS * GW need not be a power of two: 5,120 = 40 x 128)."""
     if N_STATIC > 0:
         s = tl.load(s_ptr0)
         if N_STATIC > 1:
@@ -57,20 +60,22 @@ def _quantize_row(y, cols, mask, q_row, s_row, s_ptr0, s_ptr1, s_ptr2, min_scale
         tl.store(q_row + cols, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_row, s)
     else:
-        W: tl.constexpr = BLOCK // GROUPS  # columns per group (the padded row when GROUPS == 1)
-        g = tl.reshape(y, (GROUPS, W))  # [G, W]
-        amax = tl.max(tl.abs(g), axis=1)  # [G]; exact in any order
-        s = tl.maximum(tl.div_rn(amax, tl.full((GROUPS,), FP8_MAX, tl.float32)), min_scale)
-        q = tl.div_rn(g, tl.broadcast_to(s[:, None], (GROUPS, W)))
+        GP: tl.constexpr = BLOCK // GW  # groups in the padded row (a power of two)
+        g = tl.reshape(y, (GP, GW))  # [GP, GW]; a group past N holds zeros
+        amax = tl.max(tl.abs(g), axis=1)  # [GP]; exact in any order
+        s = tl.maximum(tl.div_rn(amax, tl.full((GP,), FP8_MAX, tl.float32)), min_scale)
+        q = tl.div_rn(g, tl.broadcast_to(s[:, None], (GP, GW)))
         q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
         tl.store(q_row + cols, tl.reshape(q, (BLOCK,)).to(tl.float8e4nv), mask=mask)
-        tl.store(s_row + tl.arange(0, GROUPS), s)
+        gi = tl.arange(0, GP)
+        tl.store(s_row + gi, s, mask=gi < GROUPS)
 
 
 @triton.jit
 def fp8_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows_ptr, s_ptr0, s_ptr1, s_ptr2,
                      stride_x, stride_r, stride_q, stride_s, stride_o, eps, offset, min_scale,
-                     N: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, MODE: tl.constexpr,
+                     N: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, GW: tl.constexpr,
+                     MODE: tl.constexpr,
                      N_STATIC: tl.constexpr, PDL: tl.constexpr = False):
     n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
     pdl_enter(PDL)  # before any other global access (pdl.py)
@@ -102,13 +107,13 @@ def fp8_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows_ptr,
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (xn * (w + offset)).to(dt).to(tl.float32)  # what rms_norm would store
     _quantize_row(y, cols, mask, q_ptr + t64 * stride_q, s_ptr + t64 * stride_s, s_ptr0, s_ptr1, s_ptr2,
-                  min_scale, N_STATIC, GROUPS, BLOCK)
+                  min_scale, N_STATIC, GROUPS, GW, BLOCK)
 
 
 def fp8_quant_spec(t: int, n: int, group: int, dtype: str = "bfloat16", *, mode: str, n_static: int,
                    config: RowConfig) -> KernelSpec:
     """group: columns per scale (ignored when n_static > 0: one scale per token)."""
-    block = next_pow2(n)
+    block = next_pow2(n)  # = next_pow2(groups) * group for a power-of-two group: the norm's BLOCK either way
     groups = 1 if n_static or group == n else n // group
     check(n_static <= 3, "fp8_quant: at most 3 static input scales")
     check(groups == 1 or (n % group == 0 and group & (group - 1) == 0),
@@ -120,7 +125,8 @@ def fp8_quant_spec(t: int, n: int, group: int, dtype: str = "bfloat16", *, mode:
                        n_rows_ptr="*i32", s_ptr0="*fp32", s_ptr1="*fp32", s_ptr2="*fp32",
                        **{s: "i32" for s in ("stride_x", "stride_r", "stride_q", "stride_s", "stride_o")},
                        eps="fp32", offset="fp32", min_scale="fp32"),
-        constexprs=dict(N=n, BLOCK=block, GROUPS=groups, MODE=MODES[mode], N_STATIC=n_static),
+        constexprs=dict(N=n, BLOCK=block, GROUPS=groups, GW=block if groups == 1 else group, MODE=MODES[mode],
+                        N_STATIC=n_static),
         grid=(t,), num_warps=config.num_warps, num_stages=1,
         divisible=("x_ptr", "r_ptr", "w_ptr", "q_ptr", "s_ptr", "res_out_ptr", "n_rows_ptr"))
 

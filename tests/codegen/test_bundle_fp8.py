@@ -77,6 +77,20 @@ def test_sm_90_fp8_gemm_is_e4m3_wgmma_in_every_bucket():
         assert instrs and all(i.startswith("wgmma.mma_async") and ".e4m3.e4m3" in i for i in instrs), (key, instrs)
 
 
+def test_the_quantising_kernels_compile_where_the_group_count_is_no_power_of_two(tmp_path):
+    """The 27B shape's rows are 40 groups of 128 (hidden 5,120) and 136 (intermediate 17,408), a
+    tiny model's 5 of 32: every producer's quantising kernel compiles to sm_90 (the interpreter
+    accepts a reshape the compiler refuses, so the kernel tests alone did not catch it)."""
+    from kiln.codegen.triton.aot import compile_spec
+    from kiln.codegen.triton.configs import DEFAULT
+    from kiln.codegen.triton.fp8_quant import MODES, fp8_quant_spec
+
+    for n, group in ((5120, 128), (17408, 128), (160, 32)):
+        for mode in MODES:
+            spec = fp8_quant_spec(4, n, group, mode=mode, n_static=0, config=DEFAULT.row(f"{mode}_quant", n))
+            assert compile_spec(spec, "sm_90", cache_dir=tmp_path).cubin[:4] == b"\x7fELF", (n, group, mode)
+
+
 @pytest.mark.parametrize("target", ["sm_90", "sm_121"])
 def test_every_bucket_of_an_fp8_hybrid_compiles(target):
     """A block-wise FP8 Qwen3.5 hybrid (3 Gated DeltaNet layers and a gated-attention one) as Qwen's

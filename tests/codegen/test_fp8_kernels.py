@@ -97,6 +97,26 @@ def test_silu_mul_quant_matches_reference(rng, group):
     _close_quant(silu_mul_quant(g, u, **kw), ref.silu_mul_quant(g, u, **kw), "silu_mul_quant")
 
 
+@pytest.mark.parametrize("mode", ["quant", "rms_norm", "silu_mul"])
+def test_a_group_count_that_is_no_power_of_two(rng, mode):
+    """N = 5 groups of 32 (as 5,120 = 40 x 128 in the 27B shape): the row is cut into 8 padded
+    groups, the 3 past N neither stored nor moving the real groups' scales."""
+    n, group = 160, 32
+    x, u, w = rand(rng, (7, n), scale=2.0), rand(rng, (7, n)), rand(rng, (n,), scale=0.3)
+    x[3, 64:96] = 0.0  # a zero group inside the row
+    kw = dict(group=group, min_scale=MIN_SCALE_GROUP)
+    if mode == "quant":
+        got, want = quant_fp8(x, **kw), ref.quant_fp8(x, **kw)
+        assert same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    elif mode == "rms_norm":
+        kw.update(eps=1e-6)
+        got, want = rms_norm_quant(x, w, **kw), ref.rms_norm_quant(x, w, **kw)
+    else:
+        got, want = silu_mul_quant(x, u, **kw), ref.silu_mul_quant(x, u, **kw)
+    assert got[1].shape == want[1].shape == (7, n // group)
+    _close_quant(got, want, mode)
+
+
 def test_quant_rows_past_n_rows_are_not_written(rng):
     x = rand(rng, (8, 32))
     q = np.full((8, 32), 7, np.uint8).view(FP8)
