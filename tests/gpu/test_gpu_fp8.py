@@ -61,12 +61,14 @@ def fp8(request, tmp_path_factory, gpu_target):
     return f"{variant}-{layout}", d, cpu, gpu, bf16
 
 
-def _last_logits(executor, out_name, prompts):
-    """Each prompt's last-position logits, all prompts in one step: [len(prompts), V] f32."""
+def _last_logits(executor, prompts):
+    """Each prompt's last-position logits, all prompts in one step: [len(prompts), V] f32. The step's one
+    output read as the model runner reads it (the cpu executor names it after the graph's output, the
+    CUDA executor "logits")."""
     free = iter(range(executor.num_blocks))
     chunks = [SeqChunk(p, 0, [next(free) for _ in range(-(-len(p) // 16))], state_slot=i + 1)
               for i, p in enumerate(prompts)]
-    return np.asarray(executor.execute(prepare_step(chunks, 16))[out_name], np.float32)
+    return np.asarray(next(iter(executor.execute(prepare_step(chunks, 16)).values())), np.float32)
 
 
 def _rel(a, b):
@@ -76,10 +78,9 @@ def _rel(a, b):
 def test_fp8_logits_match_the_cpu_executor(fp8):
     name, _, cpu, gpu, bf16 = fp8
     prompts = [p[:30] for p in _prompts(8, seed=1)]  # one step: at most 240 of the 256-token bucket
-    out = cpu.graph.outputs[0]
-    want = _last_logits(cpu.executor, out, prompts)
-    got = _last_logits(gpu.executor, gpu.graph.outputs[0], prompts)
-    ref16 = _last_logits(bf16, bf16.graph.outputs[0], prompts)
+    want = _last_logits(cpu.executor, prompts)
+    got = _last_logits(gpu.executor, prompts)
+    ref16 = _last_logits(bf16, prompts)
     assert np.isfinite(got).all(), name
     errs = [(_rel(g, w), _rel(r, w)) for g, w, r in zip(got, want, ref16)]
     print(f"\n[{name}] per prompt (GPU vs cpu f32, numpy bf16 vs cpu f32): "

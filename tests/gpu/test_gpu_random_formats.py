@@ -37,9 +37,9 @@ def model(request, tmp_path_factory, gpu_target):
 def test_logits_follow_the_cpu_target(model):
     name, cpu, gpu, bf16 = model
     prompts = [p[:30] for p in _prompts(8, seed=1, vocab=320)]  # one step within the 256-token bucket
-    want = _last_logits(cpu.executor, cpu.graph.outputs[0], prompts)
-    got = _last_logits(gpu.executor, gpu.graph.outputs[0], prompts)
-    ref16 = _last_logits(bf16, bf16.graph.outputs[0], prompts)
+    want = _last_logits(cpu.executor, prompts)
+    got = _last_logits(gpu.executor, prompts)
+    ref16 = _last_logits(bf16, prompts)
     assert np.isfinite(got).all(), name
     errs = [(_rel(g, w), _rel(r, w)) for g, w, r in zip(got, want, ref16)]
     print(f"\n[{name}] per prompt (GPU vs cpu f32, numpy bf16 vs cpu f32): "
