@@ -13,7 +13,8 @@ launches captured 20 times in one CUDA graph (codegen/autotune.py Bench.time_us)
 --cpu: the host Sampler (runtime/sample/sampler.py) for 1 and 8 rows of random logits, per step
 (one Sampler.sample call, the noise draws included; median of --reps): "numpy" (the numpy steps)
 and, where this kiln has it, "compiled" (the compiled CPU target's kernels,
-runtime/cpu/sample_kernels.py, on KILN_CPU_THREADS or numba's threads), whose tokens must equal
+runtime/cpu/sample_kernels.py, on KILN_CPU_THREADS threads or the count its ThreadChooser picks,
+as the compiled executor runs them), whose tokens must equal
 numpy's (`same`). Half the rows are seeded. Run it with PYTHONPATH at an older kiln for a
 before/after on the same machine (that kiln's numpy sampler only).
 """
@@ -44,9 +45,14 @@ def cpu_main(a) -> dict:
         CompiledSampler = None
     v = a.vocab or 49152
     compiled = None
-    if CompiledSampler is not None:
-        compiled = CompiledSampler(threads=(lambda: int(os.environ["KILN_CPU_THREADS"]))
-                                   if "KILN_CPU_THREADS" in os.environ else None)
+    if CompiledSampler is not None:  # as the compiled executor makes it
+        import numba
+
+        from kiln.runtime.worker.compiled_cpu_executor import ThreadChooser, cpu_threads
+
+        fixed = cpu_threads()
+        compiled = (CompiledSampler(threads=lambda: fixed) if fixed
+                    else CompiledSampler(chooser=ThreadChooser(numba.config.NUMBA_NUM_THREADS)))
         compiled.warm_up()
     res = {}
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}", flush=True)

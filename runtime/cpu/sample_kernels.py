@@ -342,12 +342,16 @@ def fill_exponential(gen, q, rows):
 
 class CompiledSampler:
     """Steps 5-7 of the Sampler (temperature, min_p, top-k, top-p, the race) for its random rows,
-    on the compiled CPU target. threads: how many threads the kernels may use (the compiled
-    executor's count: KILN_CPU_THREADS, or what its ThreadChooser runs with), or None for numba's
-    current setting. Rows run in parallel only with several rows and threads."""
+    on the compiled CPU target. threads: how many threads the kernels use (KILN_CPU_THREADS), or
+    None for numba's current setting; chooser: instead, a ThreadChooser
+    (runtime/worker/compiled_cpu_executor.py) of its own that times the kernels per row and keeps
+    the faster count, as decode steps do: on the shared 2-core machine a parallel region whose
+    second thread waited for a core took 16 ms where one thread took 2-5 ms for 8 rows. Rows run
+    in parallel only with several rows and threads."""
 
-    def __init__(self, threads: Optional[Callable[[], int]] = None) -> None:
+    def __init__(self, threads: Optional[Callable[[], int]] = None, chooser=None) -> None:
         self.threads = threads
+        self.chooser = chooser
         self._checked: dict[int, bool] = {}
         self._scratch: dict[str, np.ndarray] = {}
 
@@ -432,9 +436,13 @@ class CompiledSampler:
         zmax = np.empty(R, np.float32)
         bad = np.empty(R, np.bool_)
         tok = np.empty(R, np.int64)
-        if threads is None:
+        chosen = threads is None and self.chooser is not None and R > 1
+        if chosen:
+            threads = self.chooser.pick()
+        elif threads is None:
             threads = numba.get_num_threads() if self.threads is None else self.threads()
         threads = min(R, threads, numba.config.NUMBA_NUM_THREADS)
+        t0 = time.perf_counter()
         if threads <= 1:  # one row or one thread: no parallel region (its join waits for every thread)
             scale_rows_serial(logits, rows, temperature, z, e, zmax, bad)
             np.exp(e, out=e)
@@ -448,6 +456,8 @@ class CompiledSampler:
                 sample_scaled(z, e, q, mp, k, p, bad, cand, idx, hist, tok)
             finally:
                 numba.set_num_threads(before)
+        if chosen:
+            self.chooser.record(threads, (time.perf_counter() - t0) / R)
         out[at] = tok
         return bad
 

@@ -143,11 +143,12 @@ class CompiledCpuExecutor:
         self._max_pos = min([int(n.attrs.get("max_position", 2048)) for n in graph.nodes.values()
                              if n.op in ("linear_rope", "attention_preamble")] or [1 << 30])
         # The sampler's top-k / top-p / race compiled too (runtime/cpu/sample_kernels.py); the model
-        # runner hands it to its Sampler. Its rows run on as many threads as decode steps do.
+        # runner hands it to its Sampler. Its rows run on KILN_CPU_THREADS threads, else on the
+        # count its own ThreadChooser finds faster for them.
         from kiln.runtime.cpu.sample_kernels import CompiledSampler
 
-        self.compiled_sampler = CompiledSampler(
-            threads=lambda: self.chooser.best if self.auto_threads else self.threads)
+        self.compiled_sampler = (CompiledSampler(chooser=ThreadChooser(self.threads)) if self.auto_threads
+                                 else CompiledSampler(threads=lambda: self.threads))
 
     @staticmethod
     def _pack(t, load_weight: WeightLoader, load_quantized: QuantizedLoader | None) -> PackedWeight:

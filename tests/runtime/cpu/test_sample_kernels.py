@@ -13,6 +13,7 @@ from kiln.runtime.sample import ops
 from kiln.runtime.sample.metadata import SamplingMetadata
 from kiln.runtime.sample.sampler import Sampler
 from kiln.runtime.sample.sampling_params import SamplingParams
+from kiln.runtime.worker.compiled_cpu_executor import ThreadChooser
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,12 @@ def test_rows_of_a_larger_batch_and_bad_rows(compiled):
     a = Sampler(7, compiled=compiled).sample(logits, metadata(params, V))
     b = Sampler(7).sample(logits, metadata(params, V))
     assert np.array_equal(a.sampled_token_ids, b.sampled_token_ids), seed
+    # as the compiled executor makes it: a ThreadChooser of its own, probing the other count
+    chosen, ref = Sampler(8, compiled=CompiledSampler(chooser=ThreadChooser(2))), Sampler(8)
+    md_c, md_r = metadata(params, V), metadata(params, V)
+    for step in range(20):
+        assert np.array_equal(chosen.sample(logits, md_c).sampled_token_ids,
+                              ref.sample(logits, md_r).sampled_token_ids), (seed, step)
     for name in ("token_ids", "logprobs", "ranks"):  # (the NaN row's logprobs are NaN in both)
         assert np.array_equal(getattr(a.logprobs, name), getattr(b.logprobs, name), equal_nan=name == "logprobs"), \
             (seed, name)
