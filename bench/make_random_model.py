@@ -285,11 +285,11 @@ def check_format(shape: str, fmt: str) -> None:
     arch = cfg["architectures"][0]
     shapes = weight_shapes(cfg)
     if fmt in ("fp8", "nvfp4"):
-        from kiln.models.quant_config import DENSE_ARCHITECTURES, NVFP4_ARCHITECTURES
+        from kiln.models.quant_config import DENSE_ARCHITECTURES
 
-        # fp8: the dense decoders only, as this writer quantises no MoE experts (kiln runs block-wise FP8
-        # experts too: models/quant_config.py FP8_ARCHITECTURES)
-        archs = DENSE_ARCHITECTURES if fmt == "fp8" else NVFP4_ARCHITECTURES
+        # the dense decoders only, as this writer quantises no MoE experts (kiln runs block-wise FP8 and
+        # NVFP4 experts too: models/quant_config.py FP8_ARCHITECTURES, NVFP4_ARCHITECTURES)
+        archs = DENSE_ARCHITECTURES
         if arch not in archs:
             raise FormatRefused(f"{shape} in {fmt} is not written: this writer makes {fmt} checkpoints of "
                                 f"{', '.join(archs)} only, not {arch} (models/quant_config.py)")

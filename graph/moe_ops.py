@@ -87,14 +87,22 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2):
     dtype, as linear's store); a = silu_mul(h[:I], h[I:]) (rounded once, as the dense MLP's
     silu_mul); o = w2[e] @ a (rounded); y[t] = sum_j weights[t, j] * o_j in f32, j = 0..k-1 in
     order, rounded once. Computed grouped by expert (each row's GEMMs are its own), summed by rank."""
+    return experts_by_rank(x, topk_ids, topk_weights, lambda e, xe: linear(xe, w13[e]), lambda e, a: linear(a, w2[e]),
+                           w2.shape[1])
+
+
+def experts_by_rank(x, topk_ids, topk_weights, gate_up, down, hidden: int):
+    """moe_experts' definition with the expert GEMMs as functions, for the quantised experts' ops
+    (graph/nvfp4_ops.py): gate_up(e, x rows) -> [n, 2I] (gate then up, each rounded as a linear's
+    store), down(e, a rows) -> [n, H]; the SiLU-and-mul between them and the rank-order sum here."""
     t, k = topk_ids.shape
-    inter = w13.shape[1] // 2
-    o = np.zeros((t, k, x.shape[1]), dtype=_f32)  # o[t, j]: expert ids[t, j]'s output for token t
+    o = np.zeros((t, k, hidden), dtype=_f32)  # o[t, j]: expert ids[t, j]'s output for token t
     for e in np.unique(topk_ids):
         tok, rank = np.nonzero(topk_ids == e)
-        h = linear(x[tok], w13[e])  # [n, 2I]
+        h = gate_up(e, x[tok])  # [n, 2I]
+        inter = h.shape[1] // 2
         a = silu_mul(h[:, :inter], h[:, inter:])  # [n, I]
-        o[tok, rank] = linear(a, w2[e])
+        o[tok, rank] = down(e, a)
     wts = topk_weights.astype(_f32)
     y = np.zeros((t, x.shape[1]), dtype=_f32)
     for j in range(k):  # rank order: the fixed order of the sum (batch invariance)

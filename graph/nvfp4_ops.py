@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from kiln.graph.dtype import DType, to_numpy
+from kiln.graph.moe_ops import experts_by_rank
 from kiln.graph.ops import OPS
 
 _f32 = np.float32
@@ -81,3 +82,44 @@ def linear_nvfp4(x, w, ws, ws2, bias=None, *, group: int = GROUP):
     if bias is not None:
         y += bias.astype(_f32, copy=False)
     return y.astype(x.dtype)
+
+
+# -- MoE experts in NVFP4 (models/moe.py) ------------------------------------------------------
+
+def _infer_moe_experts_nvfp4(ins, attrs):
+    x, ids, w, w13, s13, g13, w2, s2, g2 = ins
+    group = attrs["group"]
+    if x.rank != 2 or w13.dtype != DType.u8 or w2.dtype != DType.u8 or len(w13.shape) != 3 or len(w2.shape) != 3:
+        raise ValueError(f"moe_experts_nvfp4: x {x.name} must be [T, H], {w13.name} and {w2.name} u8 [E, rows, K/2]")
+    e, two_i, h2 = w13.shape
+    h, i = x.shape[1], two_i // 2
+    if two_i % 2 or h2 * 2 != h or tuple(w2.shape) != (e, h, i // 2) or h % group or i % group:
+        raise ValueError(f"moe_experts_nvfp4: {w13.name} {list(w13.shape)} and {w2.name} {list(w2.shape)} are not "
+                         f"[E, 2I, H/2] and [E, H, I/2] for x [T, {h}] in groups of {group}")
+    for s, shape in ((s13, (e, two_i, h // group)), (s2, (e, h, i // group))):
+        if s.dtype != DType.fp8e4m3 or tuple(s.shape) != shape:
+            raise ValueError(f"moe_experts_nvfp4: block scales {s.name} must be e4m3 {list(shape)}")
+    for s, shape in ((g13, (e, 2)), (g2, (e, 1))):
+        if s.dtype != DType.f32 or tuple(s.shape) != shape:
+            raise ValueError(f"moe_experts_nvfp4: per-tensor scales {s.name} must be f32 {list(shape)}")
+    if tuple(ids.shape) != tuple(w.shape) or ids.shape[0] != x.shape[0] or ids.dtype != DType.i32:
+        raise ValueError(f"moe_experts_nvfp4: topk ids {list(ids.shape)} and weights {list(w.shape)} must be [T, k]")
+    return [(x.dtype, x.shape)]
+
+
+@OPS.register("moe_experts_nvfp4", inputs=9, infer=_infer_moe_experts_nvfp4)
+def moe_experts_nvfp4(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, *, group: int = GROUP):
+    """graph/moe_ops.py moe_experts with ModelOpt NVFP4 experts, W4A16 as linear_nvfp4: w13 u8
+    [E, 2I, H/2] (each expert's gate rows, then its up rows, two e2m1 a byte) with block scales s13
+    e4m3 [E, 2I, H/16] and per-tensor scales g13 f32 [E, 2] (the gate's, the up's: ModelOpt
+    calibrates each linear's weight_scale_2 on its own); w2 u8 [E, H, I/2], s2, g2 [E, 1]. Each
+    expert's gate, up and down is linear_nvfp4 of its own rows and scales (the per-tensor scale on
+    the f32 sum, rounded to x's dtype), then moe_experts' SiLU-and-mul and rank-order sum."""
+    inter = w13.shape[1] // 2
+
+    def gate_up(e, xe):
+        return np.concatenate([linear_nvfp4(xe, w13[e, :inter], s13[e, :inter], g13[e, 0], group=group),
+                               linear_nvfp4(xe, w13[e, inter:], s13[e, inter:], g13[e, 1], group=group)], axis=1)
+
+    return experts_by_rank(x, topk_ids, topk_weights, gate_up,
+                           lambda e, a: linear_nvfp4(a, w2[e], s2[e], g2[e, 0], group=group), w2.shape[1])

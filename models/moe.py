@@ -21,8 +21,10 @@ W8A8 as the dense FP8 linears do (moe_experts_fp8, graph/fp8_ops.py: x quantised
 bk columns by a quant_fp8 node, the SiLU-and-mul intermediate per assignment). The shared expert's
 linears are FP8 linears where the config quantises them; the router and shared_expert_gate are
 plain linears (the published FP8 checkpoints keep them bf16; one stored in FP8 is refused by name:
-models/fp8_weights.py). Other quantised MoE experts (FP8 with per-channel or per-tensor scales,
-online FP8, NVFP4) are refused in one sentence naming the format.
+models/fp8_weights.py). A ModelOpt NVFP4 checkpoint's experts stay packed (two e2m1 a byte) with
+their e4m3 block scales and per-tensor scales, stacked per layer, and run W4A16 as its dense linears
+do (moe_experts_nvfp4, graph/nvfp4_ops.py). Other quantised MoE experts (FP8 with per-channel or
+per-tensor scales, online FP8) are refused in one sentence naming the format.
 """
 from __future__ import annotations
 
@@ -77,11 +79,14 @@ def moe_block(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DTyp
     blocks = gguf_experts(g, cfg.quantization, p, E, I, H) if getattr(cfg.quantization, "weight", None) == "gguf" \
         else None
     q = cfg.quantization if isinstance(cfg.quantization, Fp8Config) else None
+    nv = cfg.quantization if getattr(cfg.quantization, "weight", None) == "nvfp4" else None
     if blocks is not None:  # a GGUF's experts in their block formats (models/gguf_quant.py)
         w13, w2, qtypes = blocks
         y = g.call1("moe_experts_gguf", x, ids, weights, w13, w2, qtypes=qtypes, name=f"{n}.experts")
     elif q is not None and q.quantizes(f"{p}.mlp.experts.0.gate_proj"):
         y = _fp8_experts(g, q, p, n, x, ids, weights, E, I, H, dtype)
+    elif nv is not None and nv.quantizes(f"{p}.mlp.experts.0.gate_proj"):
+        y = _nvfp4_experts(g, nv, p, n, x, ids, weights, E, I, H)
     else:
         w13 = g.weight(f"{p}.{GATE_UP}", dtype, (E, 2 * I, H))
         w2 = g.weight(f"{p}.{DOWN}", dtype, (E, H, I))
@@ -89,7 +94,7 @@ def moe_block(g: Graph, cfg: ModelConfig, p: str, n: str, x: Tensor, dtype: DTyp
     ish = cfg.shared_expert_intermediate_size
     if not ish:
         return y
-    shared = dense_mlp(g, x, f"{p}.mlp.shared_expert", f"{n}.shared_expert", ish, H, dtype, quant=q)
+    shared = dense_mlp(g, x, f"{p}.mlp.shared_expert", f"{n}.shared_expert", ish, H, dtype, quant=q or nv)
     sg = _linear(g, x, f"{p}.mlp.shared_expert_gate.weight", 1, H, dtype, f"{n}.shared_expert_gate")  # [T, 1]
     # sigmoid rounded to the activation dtype, then the product (HF: F.sigmoid(gate(x)) * out, bf16)
     shared = g.call1("sigmoid_mul", shared, sg, name=f"{n}.shared_expert_scale")
@@ -115,17 +120,37 @@ def _fp8_experts(g: Graph, q: Fp8Config, p: str, n: str, x: Tensor, ids: Tensor,
                    min_scale=MIN_SCALE_GROUP, name=f"{n}.experts")
 
 
+def _nvfp4_experts(g: Graph, nv, p: str, n: str, x: Tensor, ids: Tensor, weights: Tensor, E: int, I: int,
+                   H: int) -> Tensor:
+    """A ModelOpt NVFP4 checkpoint's experts, packed e2m1 stacked per layer with their stacked
+    scales (models/moe_weights.py): moe_experts_nvfp4 (W4A16, graph/nvfp4_ops.py)."""
+    group = nv.group_size
+    if H % group or I % group:
+        raise UnsupportedQuantizationError(
+            f"NVFP4 experts on {p}.mlp.experts, whose hidden size {H} and moe_intermediate_size {I} are not "
+            f"multiples of {group}, are not supported by kiln")
+    g.attrs.setdefault("quantization", "modelopt NVFP4")  # models/fp8_weights.py says it in its refusals
+    w13 = g.weight(f"{p}.{GATE_UP}", DType.u8, (E, 2 * I, H // 2))
+    s13 = g.weight(f"{p}.{GATE_UP}.weight_scale", DType.fp8e4m3, (E, 2 * I, H // group))
+    g13 = g.weight(f"{p}.{GATE_UP}.weight_scale_2", DType.f32, (E, 2))
+    w2 = g.weight(f"{p}.{DOWN}", DType.u8, (E, H, I // 2))
+    s2 = g.weight(f"{p}.{DOWN}.weight_scale", DType.fp8e4m3, (E, H, I // group))
+    g2 = g.weight(f"{p}.{DOWN}.weight_scale_2", DType.f32, (E, 1))
+    return g.call1("moe_experts_nvfp4", x, ids, weights, w13, s13, g13, w2, s2, g2, group=group,
+                   name=f"{n}.experts")
+
+
 def mlp(g: Graph, cfg: ModelConfig, i: int, x: Tensor, dtype: DType) -> Tensor:
     """Layer i's MLP: the MoE block where cfg.layer_is_moe(i) (decoder_sparse_step, mlp_only_layers),
     else the dense one of intermediate_size."""
     p, n = f"model.layers.{i}", f"layers.{i}"
     if cfg.layer_is_moe(i):
         q = cfg.quantization
-        if q is not None and q.weight != "gguf" and not (isinstance(q, Fp8Config) and q.weight == "block"):
-            what = "NVFP4" if q.weight == "nvfp4" else "online FP8" if getattr(q, "online", False) else \
-                f"FP8 with {q.weight}-wise weight scales"
+        if q is not None and q.weight not in ("gguf", "nvfp4") and not (isinstance(q, Fp8Config)
+                                                                          and q.weight == "block"):
+            what = "online FP8" if getattr(q, "online", False) else f"FP8 with {q.weight}-wise weight scales"
             raise UnsupportedQuantizationError(f"{q.method} {what} MoE layers ({p}.mlp) are not supported by kiln "
-                                               f"(its MoE experts run block-wise FP8 and GGUF)")
+                                               f"(its MoE experts run block-wise FP8, NVFP4 and GGUF)")
         return moe_block(g, cfg, p, n, x, dtype)
     q = cfg.quantization
     q = q if isinstance(q, Fp8Config) or getattr(q, "weight", None) == "nvfp4" else None

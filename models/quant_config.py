@@ -30,13 +30,14 @@ from kiln.models.nvfp4_config import Nvfp4Config, parse_modelopt_nvfp4
 # decoders and the dense Qwen3.5/3.6 hybrids (models/qwen3_5.py: gated attention, Gated DeltaNet
 # projections, MLP); any other architecture with a quantization_config is refused, not run in bf16.
 # Not Qwen3-Next, whose interleaved GDN projections are rearranged at load (a block scale of the
-# interleaved rows is no scale of the rearranged ones). The MoE decoders run block-wise FP8 (models/moe.py:
-# experts kept in e4m3 with their block scales); their MoE layers refuse the other FP8 layouts by name.
+# interleaved rows is no scale of the rearranged ones). The MoE decoders run block-wise FP8 and NVFP4
+# (models/moe.py: experts kept in their format with their scales); their MoE layers refuse the other
+# FP8 layouts by name.
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 FP8_ARCHITECTURES = (*DENSE_ARCHITECTURES, "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM",
                      "Qwen3_5MoeForConditionalGeneration")
-# NVFP4 (W4A16, models/nvfp4_linear.py) runs the dense ones: NVFP4 MoE experts are refused here
-NVFP4_ARCHITECTURES = DENSE_ARCHITECTURES
+# NVFP4 (W4A16, models/nvfp4_linear.py; MoE experts: models/moe.py) runs the same architectures
+NVFP4_ARCHITECTURES = FP8_ARCHITECTURES
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 # The smallest activation scale, as vLLM's references clamp it (tests/kernels/quant_utils.py):

@@ -37,7 +37,7 @@ from kiln.graph.fp8_ops import moe_fp8_act
 from kiln.loader import load
 from kiln.runtime.worker.cpu_executor import CpuExecutor
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
-from tests.fp8_checkpoints import BLOCK_CONFIG, dequantize_block, hybrid_not_converted, quantize_block
+from tests.fp8_checkpoints import BLOCK_CONFIG, CHANNEL_CONFIG, dequantize_block, hybrid_not_converted, quantize_block
 from tests.test_fp8_hybrid import TIE, _ordinal
 from tests.test_fp8_models import _prompts, _rel
 from tests.tiny_moe import make_tiny_moe
@@ -305,7 +305,7 @@ def _rewrite(path: Path, fn):
 
 def test_a_checkpoint_that_disagrees_with_its_config_is_one_sentence(tmp_path):
     """A missing expert scale, a scale of the wrong shape and an expert stored in bf16 are each
-    refused naming the tensor; NVFP4 MoE is refused naming the format."""
+    refused naming the tensor; per-channel FP8 (compressed-tensors) experts are refused naming the format."""
     d = tmp_path / "ok"
     d.mkdir()
     make_fp8_moe_checkpoint(d, "qwen3_moe", (16, 16))
@@ -328,13 +328,12 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_one_sentence(tmp_path):
         with pytest.raises(InvalidModelError, match=msg):
             lm = load(bad, kv_cache_tokens=256, tokenizer=False)
             lm.executor.execute  # the weights are read at load
-    nv = tmp_path / "nvfp4"
-    nv.mkdir()
+    ch = tmp_path / "channel"
+    ch.mkdir()
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                                  "exclude_modules": ["lm_head"]}
-    (nv / "config.json").write_text(json.dumps(cfg))
-    (nv / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
-    with pytest.raises(UnsupportedQuantizationError, match=r"NVFP4 checkpoints of Qwen3MoeForCausalLM are not "
-                                                           r"supported by kiln"):
-        load(nv, kv_cache_tokens=256, tokenizer=False)
+    cfg["quantization_config"] = CHANNEL_CONFIG
+    (ch / "config.json").write_text(json.dumps(cfg))
+    (ch / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    with pytest.raises(UnsupportedQuantizationError, match=r"^compressed-tensors FP8 with channel-wise weight scales "
+                                                           r"MoE layers \(model\.layers\.1\.mlp\) are not supported"):
+        load(ch, kv_cache_tokens=256, tokenizer=False)
