@@ -19,15 +19,18 @@ logits and noise these kernels give its tokens, bit for bit. What that takes, st
   histograms: the order of an integer sum does not change it, so no sort is needed
   (ops.apply_top_k_top_p sorts to find the same cut).
 - the race: argmax over kept tokens of (e / S) / q, the first index among equals, with q the noise
-  the numpy sampler draws (ops.draw_noise: the same generators, the same order of draws).
+  the numpy sampler draws (ops.draw_noise: the same generators, the same order of draws; numba
+  draws it here, fill_exponential, through numpy's own bit generators).
 
 vLLM's equivalents: vllm/v1/sample/ops/topk_topp_sampler.py (apply_top_k_top_p_pytorch sorts the
 row; apply_top_k_only; random_sample's q.exponential_() and probs.div_(q).argmax()); its CPU
 path now draws one seed per request and hashes noise per token, which kiln does not, so that a
 seeded request keeps numpy's stream on every backend.
 
-Rows run in parallel (prange) on the threads the compiled executor runs with (KILN_CPU_THREADS);
-kernels are cached on disk by numba like the other compiled kernels.
+Only rows with top-k or top-p run the kernels (CompiledSampler.sample): the others have no sort to
+avoid, and numpy's vectorised steps were as fast on them. Rows run in parallel (prange) on
+KILN_CPU_THREADS threads, or on the count a ThreadChooser finds faster; kernels are cached on disk
+by numba like the other compiled kernels (the compiled executor's warm_up compiles them).
 """
 from __future__ import annotations
 
@@ -364,6 +367,12 @@ class CompiledSampler:
             want = x.sum(axis=-1)
             ok = all(pairwise_sum(x[j], 0, V) == want[j] for j in range(3))
             self._checked[V] = ok
+            if not ok:
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "this numpy sums float32 rows of %d in another order than kiln's compiled sampler "
+                    "reproduces: sampling runs on numpy", V)
         return ok
 
     def draw_noise(self, B: int, V: int, generators, rng: np.random.Generator) -> np.ndarray:
