@@ -699,7 +699,7 @@ class _Lowerer:
             return False
         lo, hi = self.position[node.name], self.position[sm.name]
         return not any(self.position[n.name] in range(lo + 1, hi) for n in self.g.nodes.values()
-                       if n.op in ("moe_experts", "moe_experts_gguf", "moe_experts_fp8"))
+                       if n.op in ("moe_experts", "moe_experts_gguf", "moe_experts_fp8", "moe_experts_nvfp4"))
 
     def op_moe_experts_gguf(self, node) -> None:
         """op_moe_experts with the experts in GGUF blocks (graph/gguf_ops.py): the same path, tiles
@@ -718,8 +718,16 @@ class _Lowerer:
         self._quantised_moe(node, xq, ids, weights, w13, w2, fp8=(xs, s13, s2), block=tuple(node.attrs["block"]),
                             min_scale=node.attrs.get("min_scale", 0.0))
 
+    def op_moe_experts_nvfp4(self, node) -> None:
+        """op_moe_experts with ModelOpt NVFP4 experts (graph/nvfp4_ops.py moe_experts_nvfp4, W4A16): the
+        packed e2m1 experts dequantised with their block scales in the expert GEMMs' K loops, the
+        per-tensor scales on the f32 sums (codegen/triton/moe_gemm.py NV); the bf16 experts' path,
+        tiles and scratch."""
+        x, ids, weights, w13, s13, g13, w2, s2, g2 = (self.buf(t) for t in node.inputs)
+        self._quantised_moe(node, x, ids, weights, w13, w2, nvfp4=(s13, g13, s2, g2))
+
     def _quantised_moe(self, node, x, ids, weights, w13, w2, **quant) -> None:
-        """A MoE experts layer over quantised experts (GGUF blocks or FP8): its path, tiles and scratch
+        """A MoE experts layer over quantised experts (GGUF blocks, FP8, NVFP4): its path, tiles and scratch
         are the bf16 experts' of these shapes and the activation dtype (the output's)."""
         out = self.buf(node.outputs[0])
         t, k = ids.shape

@@ -72,12 +72,13 @@ def moe_tiles(t: int, top_k: int, e: int, h: int, i: int, arch: str = "sm_90", p
     return tile, tile
 
 
-def gguf_tiles(tiles: tuple[MoeTile, MoeTile], h: int, i: int) -> tuple[MoeTile, MoeTile]:
-    """GGUF experts (moe_gemm.py): K steps that cut each weight's K into whole steps (the dequantised
-    tile has no K mask; K is whole 32-weight blocks at least). A schedule knob: the sums do not move."""
+def gguf_tiles(tiles: tuple[MoeTile, MoeTile], h: int, i: int, step: int = 32) -> tuple[MoeTile, MoeTile]:
+    """GGUF (and NVFP4) experts (moe_gemm.py): K steps that cut each weight's K into whole steps (the
+    dequantised tile has no K mask; K is whole 32-weight GGUF blocks, 16-column NVFP4 groups, at
+    least: `step`). A schedule knob: the sums do not move."""
     gu, dn = tiles
-    return (gu if h % gu.block_k == 0 else replace(gu, block_k=32),
-            dn if i % dn.block_k == 0 else replace(dn, block_k=32))
+    return (gu if h % gu.block_k == 0 else replace(gu, block_k=step),
+            dn if i % dn.block_k == 0 else replace(dn, block_k=step))
 
 
 def fp8_tiles(tiles: tuple[MoeTile, MoeTile], arch: str) -> tuple[MoeTile, MoeTile]:
@@ -92,7 +93,7 @@ def fp8_tiles(tiles: tuple[MoeTile, MoeTile], arch: str) -> tuple[MoeTile, MoeTi
 def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *,
                       path: str | None = None, tiles: tuple[MoeTile, MoeTile] | None = None,
                       arch: str = "sm_90", qtypes: tuple[str, str] | None = None,
-                      fp8: Fp8Experts | None = None) -> list[KernelSpec]:
+                      fp8: Fp8Experts | None = None, nvfp4: bool = False) -> list[KernelSpec]:
     """The launches of one MoE experts layer for a bucket of T tokens, in order (the router's is
     moe_router_spec). qtypes: (w13's, w2's) GGUF block formats, for experts kept in their blocks;
     fp8: block-wise FP8 experts (x e4m3 with its scales; dtype: the activations')."""
@@ -103,18 +104,21 @@ def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "
         gu, dn = gguf_tiles((gu, dn), h, i)
     if fp8:
         gu, dn = fp8_tiles((gu, dn), fp8.arch)
+    if nvfp4:
+        gu, dn = gguf_tiles((gu, dn), h, i, 16)
+    q = dict(fp8=fp8, nvfp4=nvfp4)
     if path == "decode":
-        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, fp8=fp8),
-                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, split=True, fp8=fp8),
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, **q),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, split=True, **q),
                 moe_sum_spec(t, top_k, h, dtype)]
     if path == "decode_token":
-        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, fp8=fp8),
-                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, fp8=fp8)]
+        return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, **q),
+                moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=True, qtype=q2, **q)]
     check(path == "grouped", f"moe: unknown path {path!r}")
     check(gu.block_m == dn.block_m, "moe: gate_up and down share the align step's BLOCK_M")
     return [moe_align_spec(t, top_k, e, gu.block_m),
-            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False, qtype=q13, fp8=fp8),
-            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False, qtype=q2, fp8=fp8),
+            moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=False, qtype=q13, **q),
+            moe_down_spec(t, top_k, e, h, i, dtype, tile=dn, decode=False, qtype=q2, **q),
             moe_sum_spec(t, top_k, h, dtype)]
 
 
@@ -135,7 +139,7 @@ def _unwrap(b):
     return b.array if getattr(b, "on_host", False) else b
 
 
-def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None, fp8=None):
+def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None, fp8=None, nvfp4=None):
     check(len(shape_of(x)) == 2, "moe: x must be [T, H]")
     check_dtype(x, ("float8_e4m3fn",) if fp8 else ("bfloat16", "float16", "float32"), "moe x")
     check_inner_contiguous(x, "moe x")
@@ -150,6 +154,17 @@ def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None, fp8=None):
               f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {qtypes[0]} rows of {h}]")
         check(i % BLOCKS[qtypes[1]][0] == 0 and shape_of(w2) == (e, h, row_bytes(qtypes[1], i)),
               f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {qtypes[1]} rows of {i}]")
+    elif nvfp4:  # packed e2m1 pairs, e4m3 block scales per 16 columns, f32 per-tensor scales
+        (s13, g13, s2, g2) = nvfp4
+        check(dtype_name(x) != "float32" and h % 16 == 0 and i % 16 == 0, f"moe: NVFP4 experts need bf16/f16 "
+              f"activations and H={h}, I={i} whole 16-column groups")
+        check(dtype_name(w13) == dtype_name(w2) == "uint8" and shape_of(w13)[2] == h // 2
+              and shape_of(w2) == (e, h, i // 2), f"moe: NVFP4 experts must be u8 [E, 2I, {h // 2}] and "
+              f"[{e}, {h}, {i // 2}]")
+        for b, shape, d, name in ((s13, (e, 2 * i, h // 16), "float8_e4m3fn", "s13"), (g13, (e, 2), "float32", "g13"),
+                                  (s2, (e, h, i // 16), "float8_e4m3fn", "s2"), (g2, (e, 1), "float32", "g2")):
+            check(shape_of(b) == shape and dtype_name(b) == d, f"moe: NVFP4 scales {name} must be {d}{list(shape)}")
+            check_inner_contiguous(b, f"moe {name}", len(shape))
     else:
         check(shape_of(w13)[2] == h, f"moe: w13 {list(shape_of(w13))} is not [E, 2I, {h}]")
         check(shape_of(w2) == (e, h, i), f"moe: w2 {list(shape_of(w2))} is not [{e}, {h}, {i}]")
@@ -176,7 +191,8 @@ def _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes=None, fp8=None):
 def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | None = None,
                 tiles: tuple[MoeTile, MoeTile] | None = None, n_rows=None, workspace: dict | None = None,
                 arch: str = "sm_90", qtypes: tuple[str, str] | None = None, defer_sum: bool = False,
-                fp8: tuple | None = None, block: tuple[int, int] | None = None, min_scale: float = 0.0):
+                fp8: tuple | None = None, block: tuple[int, int] | None = None, min_scale: float = 0.0,
+                nvfp4: tuple | None = None):
     """x: [T, H] (rows may be strided), topk_ids i32[T, k], topk_weights f32[T, k], w13 [E, 2I, H],
     w2 [E, H, I] -> y [T, H] in x's dtype (the graph op moe_experts). n_rows: i32[1] live tokens
     (default T; rows past it are not written). workspace: moe_workspace's buffers by name
@@ -186,10 +202,14 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
     launched (out is not written): moe_sum does it later, with the shared expert's add.
     fp8: (xs, s13, s2) for block-wise FP8 experts (moe_experts_fp8): x, w13, w2 e4m3, xs f32 [T, H / bk]
     x's scales, s13 and s2 the weights' per [bn, bk] = block; out (default bf16) sets the activation
-    dtype; the intermediate is quantised with min_scale inside the down GEMM."""
+    dtype; the intermediate is quantised with min_scale inside the down GEMM.
+    nvfp4: (s13, g13, s2, g2) for ModelOpt NVFP4 experts (moe_experts_nvfp4, W4A16): w13 u8 [E, 2I, H/2],
+    w2 u8 [E, H, I/2], s13 / s2 their e4m3 block scales, g13 f32 [E, 2] / g2 [E, 1] their per-tensor
+    scales; x in the activation dtype."""
     x, topk_ids, topk_weights, w13, w2, out, n_rows = map(as_buf, (x, topk_ids, topk_weights, w13, w2, out, n_rows))
     fp8 = (tuple(map(as_buf, fp8)), tuple(block)) if fp8 is not None else None
-    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes, fp8)
+    nvfp4 = tuple(map(as_buf, nvfp4)) if nvfp4 is not None else None
+    t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes, fp8, nvfp4)
     path = path or moe_path(t, k)
     check(not (defer_sum and path == "decode_token"), "moe: the decode_token path sums in its down GEMM")
     gu, dn = tiles or moe_tiles(t, k, e, h, i, arch, path)
@@ -213,17 +233,22 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
         check(shape_of(ws[name]) == shape and dtype_name(ws[name]) == d, f"moe: workspace[{name!r}] must be "
               f"{d}{list(shape)}")
     spec8 = Fp8Experts(fp8[1], min_scale, arch) if fp8 else None
-    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch, qtypes=qtypes, fp8=spec8)
-    # FP8: x's and the weights' scales; otherwise placeholders of the types the specs give them
+    specs = moe_experts_specs(t, k, e, h, i, dt, path=path, tiles=(gu, dn), arch=arch, qtypes=qtypes, fp8=spec8,
+                              nvfp4=nvfp4 is not None)
+    # FP8: x's and the weights' scales; NVFP4: the block and per-tensor scales; otherwise placeholders
+    # of the types the specs give them
     (xs, s13, s2), sx = (fp8[0], strides_of(fp8[0][0])[0]) if fp8 else ((x, w13, w2), 0)
+    g13, g2 = (w13, w2)
+    if nvfp4:
+        s13, g13, s2, g2 = nvfp4
     if path in DECODE_PATHS:
         gate_up, down = specs[:2]
         meta = [topk_ids, topk_ids, topk_ids, n_rows, n_rows, 0, t * k]  # no sorted rows: placeholders
-        launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0], xs, s13, sx])
+        launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0], xs, s13, sx, g13])
         if path == "decode_token":
-            launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0], s2])  # (o: unused)
+            launch(down, [ws["a"], w2, topk_weights, out, out, *meta, strides_of(out)[0], s2, g2])  # (o: unused)
             return _unwrap(out)
-        launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0], s2])  # (y: unused)
+        launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0], s2, g2])  # (y: unused)
         if not defer_sum:
             moe_sum(ws["o"], topk_weights, out, n_rows=n_rows)
         return _unwrap(out)
@@ -232,8 +257,8 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
               block_expert=ws["block_expert"], n_post=ws["n_post"])
     em = shape_of(ws["sorted_ids"])[0]
     meta = [topk_ids, ws["sorted_ids"], ws["block_expert"], ws["n_post"], n_rows, em, t * k]
-    launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0], xs, s13, sx])
-    launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0], s2])
+    launch(gate_up, [x, w13, ws["a"], *meta, strides_of(x)[0], xs, s13, sx, g13])
+    launch(down, [ws["a"], w2, topk_weights, ws["o"], out, *meta, strides_of(out)[0], s2, g2])
     if not defer_sum:
         moe_sum(ws["o"], topk_weights, out, n_rows=n_rows)
     return _unwrap(out)

@@ -55,6 +55,13 @@ MoE does the same arithmetic with a separate per_token_group_quant_fp8 of the in
 tensor-core rule of fp8_gemm.py holds here too: every FP8 expert tile has 64 rows at least and
 whole warpgroups, the decode form included (its one live row in a 64-row program), so that a
 token's row has the same bits in every form (moe.fp8_tiles, Fp8Experts.decode_m).
+
+ModelOpt NVFP4 experts (NV, graph/nvfp4_ops.py moe_experts_nvfp4, W4A16 as nvfp4_gemm.py's
+linear_nvfp4): w13 u8 [E, 2I, H/2] and w2 u8 [E, H, I/2] (two e2m1 a byte, low nibble first), their
+e4m3 block scales per 16 columns (ws) and f32 per-tensor scales (ws2: [E, 2], the gate's and the up's;
+[E, 1]). Each K step's tile is dequantised in registers (nvfp4_gemm._e2m1 times the block scale,
+exact in bf16) before the same tl.dot chain as bf16 experts; the per-tensor scale multiplies the
+f32 sums once, then the epilogues as for bf16 experts.
 """
 from __future__ import annotations
 
@@ -66,6 +73,7 @@ import triton.language as tl
 from kiln.codegen.triton.fp8_gemm import _dot_block
 from kiln.codegen.triton.gemm import _dot_acc, _tile_ids
 from kiln.codegen.triton.gguf_gemm import QTYPES, _dequant
+from kiln.codegen.triton.nvfp4_gemm import _e2m1
 from kiln.graph.gguf_blocks import row_bytes
 from kiln.codegen.triton.launch import KernelSpec, cdiv, sig_type
 from kiln.codegen.triton.moe_align import moe_align_capacity
@@ -109,16 +117,34 @@ def _w_tile(w_ptr, w_rows, rn, rk, dt, N: tl.constexpr, K: tl.constexpr, QT: tl.
 
 
 @triton.jit
+def _w_tile_nv(w_ptr, s_ptr, rn, k0, dt, N: tl.constexpr, K: tl.constexpr, STEP: tl.constexpr):
+    """NVFP4 (NV): the [STEP, BN] weight tile at columns k0.. of rows rn, from their packed e2m1
+    bytes [N, K/2] (column 2j in byte j's low nibble) times their e4m3 block scales [N, K/16],
+    rounded to dt: exact (nvfp4_gemm.py: at most 6 significant bits). The per-tensor scale is not
+    here: it multiplies the f32 sums once (linear_nvfp4's order)."""
+    n_ok = rn < N
+    rows = rn.to(tl.int64)[:, None]
+    rb = k0 // 2 + tl.arange(0, STEP // 2)
+    code = tl.load(w_ptr + rows * (K // 2) + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    w = tl.interleave(_e2m1(code & 15), _e2m1(code >> 4))  # [BN, STEP]
+    rk = k0 + tl.arange(0, STEP)
+    sc = tl.load(s_ptr + rows * (K // 16) + (rk // 16)[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.trans((w * sc.to(tl.float32)).to(dt))
+
+
+@triton.jit
 def _expert_sums(x_rows, row_ok, w_ptr, w2_ptr, rn, N: tl.constexpr, K: tl.constexpr, TWO: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
                  QT: tl.constexpr = -1, RB: tl.constexpr = 0, xs_rows=None, ws_w=None, ws_w2=None,
                  FP8: tl.constexpr = False, BN_W: tl.constexpr = 1, BK_W: tl.constexpr = 1,
-                 QUANT_A: tl.constexpr = False, MIN_SCALE: tl.constexpr = 0.0):
+                 QUANT_A: tl.constexpr = False, MIN_SCALE: tl.constexpr = 0.0, NV: tl.constexpr = False,
+                 g_w=None, g_w2=None):
     """f32 [BM, BN] sums x_rows . w[rn] over K from 0 in increasing order (TWO: also against
     w2, the up rows of the same expert, sharing the x loads). x_rows: [BM] pointers to rows of
     K elements, row_ok: [BM]; w_ptr, w2_ptr: an expert's [N, K] rows (packed), or with QT >= 0
     its [N, RB] rows of GGUF blocks (rows past N clamped: read, never stored); rn: [BN].
-    FP8: block-wise e4m3 experts (_expert_sums_fp8)."""
+    FP8: block-wise e4m3 experts (_expert_sums_fp8). NV: NVFP4 experts, w_ptr, w2_ptr their packed
+    rows, ws_w, ws_w2 their e4m3 block scales, g_w, g_w2 their f32 per-tensor scales (on the sums)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:
@@ -133,9 +159,18 @@ def _expert_sums(x_rows, row_ok, w_ptr, w2_ptr, rn, N: tl.constexpr, K: tl.const
         for k0 in range(0, K, STEP):
             rk = k0 + tl.arange(0, STEP)
             a = tl.load(x_rows[:, None] + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)
-            acc = _dot_acc(a, _w_tile(w_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc, INTERPRET)
+            if NV:
+                acc = _dot_acc(a, _w_tile_nv(w_ptr, ws_w, rn, k0, a.dtype, N, K, STEP), acc, INTERPRET)
+                if TWO:
+                    acc2 = _dot_acc(a, _w_tile_nv(w2_ptr, ws_w2, rn, k0, a.dtype, N, K, STEP), acc2, INTERPRET)
+            else:
+                acc = _dot_acc(a, _w_tile(w_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc, INTERPRET)
+                if TWO:
+                    acc2 = _dot_acc(a, _w_tile(w2_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc2, INTERPRET)
+        if NV:  # the per-tensor scales, once on the f32 sums
+            acc = acc * tl.load(g_w)
             if TWO:
-                acc2 = _dot_acc(a, _w_tile(w2_ptr, w_rows, rn, rk, a.dtype, N, K, QT), acc2, INTERPRET)
+                acc2 = acc2 * tl.load(g_w2)
     return acc, acc2
 
 
@@ -198,16 +233,17 @@ def _rows(pid_m, r_dec, sorted_ptr, block_expert_ptr, ids_ptr, NUM_ROWS, BLOCK_M
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr, n_rows_ptr,
-                       EM, NUM_ROWS, stride_x, xs_ptr, ws_ptr, stride_xs,
+                       EM, NUM_ROWS, stride_x, xs_ptr, ws_ptr, stride_xs, ws2_ptr,
                        I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
                        INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
                        RB: tl.constexpr = 0, FP8: tl.constexpr = False, BN_W: tl.constexpr = 1,
-                       BK_W: tl.constexpr = 1):
+                       BK_W: tl.constexpr = 1, NV: tl.constexpr = False):
     # x: [T, H] (rows strided); w: [E, 2I, H] (gate rows, then up rows; QT >= 0: [E, 2I, RB] GGUF
     # blocks); a: [T*k, I] packed
     # FP8: x e4m3 with scales xs f32 [T, H / BK_W] (rows strided by stride_xs), w e4m3 with scales
-    # ws f32 [E, 2I / BN_W, H / BK_W]; otherwise xs_ptr, ws_ptr, stride_xs are unused placeholders
+    # ws f32 [E, 2I / BN_W, H / BK_W]; NV (NVFP4): w u8 [E, 2I, H/2], ws e4m3 [E, 2I, H/16] block
+    # scales, ws2 f32 [E, 2] the gate's and the up's per-tensor scales; unused pointers are placeholders
     # grid: grouped (cdiv(EM, BM) * cdiv(I, BN),); decode (cdiv(I, BN), T*k)
     pdl_enter(PDL)  # before any global access (pdl.py)
     if DECODE:
@@ -227,12 +263,14 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
     tok = (tl.where(ok, rows, 0) // TOPK).to(tl.int64)  # [BM]: token t of r
     x_rows = x_ptr + tok * stride_x
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ROW: tl.constexpr = RB if QT >= 0 else H  # w's elements a row
+    ROW: tl.constexpr = RB if QT >= 0 else H // 2 if NV else H  # w's elements a row
     wg = w_ptr + e * (2 * I * ROW)
-    SR: tl.constexpr = (H // BK_W) * (I // BN_W)  # FP8: scales of the gate (or up) rows of an expert
+    # the scales of an expert's gate (or up) rows: FP8 one per [BN_W, BK_W] block, NV one per 16 columns
+    SR: tl.constexpr = I * (H // 16) if NV else (H // BK_W) * (I // BN_W)
     wsg = ws_ptr + e * (2 * SR)
     g, u = _expert_sums(x_rows, ok, wg, wg + I * ROW, rn, I, H, True, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB,
-                        xs_ptr + tok * stride_xs, wsg, wsg + SR, FP8, BN_W, BK_W)
+                        xs_ptr + tok * stride_xs, wsg, wsg + SR, FP8, BN_W, BK_W, False, 0.0, NV,
+                        ws2_ptr + e * 2, ws2_ptr + e * 2 + 1)
     dt = a_ptr.dtype.element_ty
     g = g.to(dt).to(tl.float32)  # what a dense gate_up linear would store
     u = u.to(dt).to(tl.float32)
@@ -243,21 +281,23 @@ def moe_gate_up_kernel(x_ptr, w_ptr, a_ptr, ids_ptr, sorted_ptr, block_expert_pt
 
 @triton.jit
 def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n_post_ptr,
-                    n_rows_ptr, EM, NUM_ROWS, stride_y, ws_ptr,
+                    n_rows_ptr, EM, NUM_ROWS, stride_y, ws_ptr, ws2_ptr,
                     I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DECODE: tl.constexpr,
                     INTERPRET: tl.constexpr, PDL: tl.constexpr = False, QT: tl.constexpr = -1,
                     RB: tl.constexpr = 0, SPLIT: tl.constexpr = False, FP8: tl.constexpr = False,
-                    BN_W: tl.constexpr = 1, BK_W: tl.constexpr = 1, MIN_SCALE: tl.constexpr = 0.0):
+                    BN_W: tl.constexpr = 1, BK_W: tl.constexpr = 1, MIN_SCALE: tl.constexpr = 0.0,
+                    NV: tl.constexpr = False):
     # FP8: w e4m3 [E, H, I] with scales ws f32 [E, H / BN_W, I / BK_W]; a (the activation dtype) is
-    # quantised per row per BK_W columns as the K loop reads it (_expert_sums_fp8); ws_ptr otherwise unused
+    # quantised per row per BK_W columns as the K loop reads it (_expert_sums_fp8); NV (NVFP4): w u8
+    # [E, H, I/2], ws e4m3 [E, H, I/16], ws2 f32 [E, 1]; unused pointers are placeholders
     # a: [T*k, I] packed; w: [E, H, I] (QT >= 0: [E, H, RB] GGUF blocks); tw: f32[T*k] routing weights
     # grouped: o: [T*k, H] packed (the dtype's), grid (cdiv(EM, BM) * cdiv(H, BN),); tw, y unused
     # decode, SPLIT: o as grouped, a program per (column block, assignment), grid (cdiv(H, BN), T*k)
     # decode, not SPLIT: y: [T, H] (rows strided), the token's k rows summed in rank order, grid (cdiv(H, BN), T)
     pdl_enter(PDL)  # before any global access (pdl.py)
-    ROW: tl.constexpr = RB if QT >= 0 else I  # w's elements a row
-    SR: tl.constexpr = ((H + BN_W - 1) // BN_W) * (I // BK_W)  # FP8: an expert's scales
+    ROW: tl.constexpr = RB if QT >= 0 else I // 2 if NV else I  # w's elements a row
+    SR: tl.constexpr = H * (I // 16) if NV else ((H + BN_W - 1) // BN_W) * (I // BK_W)  # an expert's scales
     if DECODE and not SPLIT:
         pid_n, t = tl.program_id(0), tl.program_id(1)
         if t >= tl.load(n_rows_ptr):
@@ -269,7 +309,7 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
             ok = rows < NUM_ROWS
             acc, _ = _expert_sums(a_ptr + rows.to(tl.int64) * I, ok, w_ptr + e * (H * ROW), w_ptr, rn, H, I, False,
                                   BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB, ws_ptr, ws_ptr + e * SR, ws_ptr,
-                                  FP8, BN_W, BK_W, True, MIN_SCALE)
+                                  FP8, BN_W, BK_W, True, MIN_SCALE, NV, ws2_ptr + e, ws2_ptr)
             o = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expert's output, as a linear stores it
             y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
         lane = tl.arange(0, BLOCK_M)
@@ -292,7 +332,7 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, _ = _expert_sums(a_ptr + safe * I, ok, w_ptr + e * (H * ROW), w_ptr, rn, H, I, False,
                               BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, QT, RB, ws_ptr, ws_ptr + e * SR, ws_ptr,
-                              FP8, BN_W, BK_W, True, MIN_SCALE)
+                              FP8, BN_W, BK_W, True, MIN_SCALE, NV, ws2_ptr + e, ws2_ptr)
         # the expert's output, as a linear stores it (moe_sum_kernel weights it)
         tl.store(o_ptr + safe[:, None] * H + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=ok[:, None] & (rn[None, :] < H))
@@ -330,7 +370,7 @@ def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, x_ptr, gate_ptr, 
 
 def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h: int, i: int, *,
                tile: MoeTile, decode: bool, qtype: str | None = None, split: bool = False,
-               fp8: Fp8Experts | None = None) -> KernelSpec:
+               fp8: Fp8Experts | None = None, nvfp4: bool = False) -> KernelSpec:
     bm = (fp8.decode_m if fp8 else 16) if decode else tile.block_m
     if fp8:
         fp8.check(tile, bm, h, i)
@@ -343,7 +383,8 @@ def _gemm_spec(kernel: str, sig: dict, n_out: int, t: int, top_k: int, e: int, h
         constexprs=dict(I=i, H=h, TOPK=top_k, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                         GROUP_M=tile.group_m, DECODE=decode, INTERPRET=False, **({"SPLIT": True} if split else {}),
                         **(_gguf_constexprs(qtype, h if kernel == "moe_gate_up_kernel" else i, tile) if qtype else {}),
-                        **(fp8.constexprs(kernel) if fp8 else {})),
+                        **(fp8.constexprs(kernel) if fp8 else {}),
+                        **(_nvfp4_constexprs(h if kernel == "moe_gate_up_kernel" else i, tile) if nvfp4 else {})),
         grid=grid, num_warps=tile.num_warps, num_stages=tile.num_stages,
         divisible=tuple(n for n in sig if n.endswith("_ptr")))
 
@@ -378,6 +419,13 @@ class Fp8Experts:
                                                     else {}))
 
 
+def _nvfp4_constexprs(k: int, tile: MoeTile) -> dict:
+    """NVFP4 experts: K whole 16-column scale groups and whole K steps (the tile has no K mask)."""
+    if k % 16 or k % tile.block_k:
+        raise ValueError(f"moe: NVFP4 experts of K={k} need whole 16-column groups and {tile.block_k}-column steps")
+    return dict(NV=True)
+
+
 def _gguf_constexprs(qtype: str, k: int, tile: MoeTile) -> dict:
     """QT and RB of a GGUF weight whose rows hold K = k weights (K whole blocks and whole K steps)."""
     if k % tile.block_k:
@@ -390,32 +438,36 @@ _META = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "n
 
 
 def moe_gate_up_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
-                     decode: bool, qtype: str | None = None, fp8: Fp8Experts | None = None) -> KernelSpec:
+                     decode: bool, qtype: str | None = None, fp8: Fp8Experts | None = None,
+                     nvfp4: bool = False) -> KernelSpec:
     """x [T, H] through w13 [E, 2I, H] (qtype: [E, 2I, RB] GGUF blocks; fp8: e4m3 x and w13 with
-    their scales) -> a [T*k, I] in dtype: grouped over moe_align's blocks, or decode."""
+    their scales; nvfp4: u8 [E, 2I, H/2] with e4m3 block and f32 per-tensor scales) -> a [T*k, I] in
+    dtype: grouped over moe_align's blocks, or decode."""
     p = sig_type(dtype)
-    w = "*fp8e4nv" if fp8 else "*u8" if qtype else p
+    w = "*fp8e4nv" if fp8 else "*u8" if qtype or nvfp4 else p
     x = "*fp8e4nv" if fp8 else p
     sig = {"x_ptr": x, "w_ptr": w, "a_ptr": p, **_META, "stride_x": "i32",
-           "xs_ptr": "*fp32" if fp8 else x, "ws_ptr": "*fp32" if fp8 else w, "stride_xs": "i32"}
+           "xs_ptr": "*fp32" if fp8 else x, "ws_ptr": "*fp32" if fp8 else "*fp8e4nv" if nvfp4 else w,
+           "stride_xs": "i32", "ws2_ptr": "*fp32" if nvfp4 else w}
     return _gemm_spec("moe_gate_up_kernel", sig, i, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype,
-                      fp8=fp8)
+                      fp8=fp8, nvfp4=nvfp4)
 
 
 def moe_down_spec(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *, tile: MoeTile,
                   decode: bool, qtype: str | None = None, split: bool = False,
-                  fp8: Fp8Experts | None = None) -> KernelSpec:
+                  fp8: Fp8Experts | None = None, nvfp4: bool = False) -> KernelSpec:
     """a [T*k, I] through w2 [E, H, I] (qtype: [E, H, RB] GGUF blocks; fp8: e4m3 w2 with its scales,
     a quantised in the K loop): grouped, or decode with split -> o [T*k, H] (then moe_sum); decode
     without -> y [T, H]."""
     if split and not decode:
         raise ValueError("moe: split is a decode form of down")
     p = sig_type(dtype)
-    w = "*fp8e4nv" if fp8 else "*u8" if qtype else p
+    w = "*fp8e4nv" if fp8 else "*u8" if qtype or nvfp4 else p
     sig = {"a_ptr": p, "w_ptr": w, "tw_ptr": "*fp32", "o_ptr": p, "y_ptr": p, **_META,
-           "stride_y": "i32", "ws_ptr": "*fp32" if fp8 else w}
+           "stride_y": "i32", "ws_ptr": "*fp32" if fp8 else "*fp8e4nv" if nvfp4 else w,
+           "ws2_ptr": "*fp32" if nvfp4 else w}
     return _gemm_spec("moe_down_kernel", sig, h, t, top_k, e, h, i, tile=tile, decode=decode, qtype=qtype,
-                      split=split, fp8=fp8)
+                      split=split, fp8=fp8, nvfp4=nvfp4)
 
 
 def moe_sum_spec(t: int, top_k: int, h: int, dtype: str = "bfloat16", *, block: int = 1024,

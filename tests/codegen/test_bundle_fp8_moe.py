@@ -1,8 +1,9 @@
-"""Block-wise FP8 MoE models compile on this CPU machine (as test_bundle_fp8.py does for the dense
-FP8 models): a tiny Qwen3-MoE and a tiny Qwen3.5-MoE (shared expert, GDN layers) whose experts stay
-e4m3 with their stacked block scales, every bucket's plan running the FP8 expert GEMMs (decode and
-grouped forms) for sm_90 and sm_121; and on sm_90 every FP8 expert GEMM is e4m3 wgmma, decode form
-included (codegen/triton/moe_gemm.py: a token's row gets the same bits in every form)."""
+"""Quantised MoE models compile on this CPU machine (as test_bundle_fp8.py does for the dense FP8
+models): a tiny Qwen3-MoE and a tiny Qwen3.5-MoE (shared expert, GDN layers) whose experts stay e4m3
+with their stacked block scales, every bucket's plan running the FP8 expert GEMMs (decode and grouped
+forms) for sm_90 and sm_121, and the Qwen3-MoE in ModelOpt NVFP4 the same way; and on sm_90 every FP8
+expert GEMM is e4m3 wgmma, decode form included (codegen/triton/moe_gemm.py: a token's row gets the
+same bits in every form)."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,6 +63,29 @@ def test_every_bucket_of_an_fp8_moe_model_compiles(kind, target):
     assert weights[f"{x}.gate_up_proj.weight_scale_inv"][:2] == ["f32", [4, 2, 2]]
     assert weights[f"{x}.down_proj.weight_scale_inv"][:2] == ["f32", [4, 2, 1]]
     print(f"{cfg.architecture} FP8 {target}: {len(b.kernels)} cubins, {len(fp8)} of them FP8 expert GEMMs")
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_121"])
+def test_every_bucket_of_an_nvfp4_moe_model_compiles(target):
+    """The tiny Qwen3-MoE in ModelOpt NVFP4 (W4A16): experts packed u8 with e4m3 block and f32
+    per-tensor scales, every bucket running the NVFP4 expert GEMMs."""
+    cfg = ModelConfig.from_hf_dict({**BASE, **EXPERTS, "hidden_size": 256, "head_dim": 64, "intermediate_size": 256,
+                                    "mlp_only_layers": [1], "architectures": ["Qwen3MoeForCausalLM"],
+                                    "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                                            "group_size": 16, "exclude_modules": ["lm_head"]}})
+    graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
+    assert [n.op for n in graph.nodes.values()].count("moe_experts_nvfp4") == 1
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    meta = b.manifest["kernels"]
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    for p in b.manifest["plans"].values():
+        names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
+        assert names["moe_gate_up_kernel"] == names["moe_down_kernel"] == 1, p["bucket"]
+    weights = b.manifest["weights"]
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"][:2] == ["u8", [4, 256, 128]]
+    assert weights["model.layers.0.mlp.experts.gate_up_proj.weight_scale_2"][:2] == ["f32", [4, 2]]
+    print(f"Qwen3MoeForCausalLM NVFP4 {target}: {len(b.kernels)} cubins")
 
 
 _PTX_PROBE = """

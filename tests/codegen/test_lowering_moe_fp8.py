@@ -1,8 +1,9 @@
-"""A tiny block-wise FP8 Qwen3-MoE's GPU launch plans replayed on the CPU under the Triton interpreter,
-node by node against the numpy executor (test_lowering_fp8.py's _NodePlan and bounds): the experts
-kept in e4m3 with their stacked [16, 16] block scales lower to the FP8 expert GEMMs (moe_gemm.py FP8:
-no bf16 expert weight anywhere), in the decode bucket (the decode path) and the mixed one (align +
-grouped GEMMs + the rank-order sum), and each launch's output is its node's reference's."""
+"""Tiny quantised Qwen3-MoE GPU launch plans replayed on the CPU under the Triton interpreter, node by
+node against the numpy executor (test_lowering_fp8.py's _NodePlan and bounds): block-wise FP8 experts
+kept in e4m3 with their stacked [16, 16] block scales, and ModelOpt NVFP4 experts kept packed with
+their block and per-tensor scales, lower to the quantised expert GEMMs (moe_gemm.py FP8 / NV: no bf16
+expert weight anywhere), in the decode bucket (the decode path) and the mixed one (align + grouped
+GEMMs + the rank-order sum), and each launch's output is its node's reference's."""
 from __future__ import annotations
 
 from collections import Counter
@@ -31,16 +32,27 @@ def interpreter():
     require_interpreter()
 
 
-def fp8_moe_model(seed: int = 0):
+NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                "exclude_modules": ["lm_head"]}
+
+
+def fp8_moe_model(seed: int = 0, qc=None):
+    qc = qc or {**BLOCK_CONFIG, "modules_to_not_convert": ["lm_head"]}
     cfg = ModelConfig.from_hf_dict({**BASE, **MOE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 1,
-                                    "max_position_embeddings": MAX_LEN,
-                                    "quantization_config": {**BLOCK_CONFIG, "modules_to_not_convert": ["lm_head"]}})
+                                    "max_position_embeddings": MAX_LEN, "quantization_config": qc})
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=BS))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in graph.checkpoint_weights().items():
         dtype = graph.tensors[name].dtype
-        if dtype == DType.fp8e4m3:
+        if dtype == DType.u8:  # NVFP4: any byte is two e2m1 values
+            weights[name] = rng.integers(0, 256, shape).astype(np.uint8)
+        elif name.endswith(".weight_scale") and dtype == DType.fp8e4m3:  # NVFP4 block scales
+            weights[name] = rng.uniform(0.5, 1.5, shape).astype(FP8)
+        elif name.endswith("weight_scale_2"):  # W = e2m1 (|.| ~2) * block scale * this ~ 1.5 / sqrt(K)
+            k = MOE["moe_intermediate_size"] if "experts.down_proj" in name else BASE["hidden_size"]  # (q/k/v/o too)
+            weights[name] = (rng.uniform(0.5, 1.5, shape) * 0.75 / k ** 0.5).astype(np.float32)
+        elif dtype == DType.fp8e4m3:
             weights[name] = np.clip(rng.standard_normal(shape) * 100, -448, 448).astype(FP8)
         elif name.endswith("weight_scale_inv"):  # W = q * s about 1.5 / sqrt(K); K: the scale's columns x 16
             k = shape[-1] * 16
@@ -51,17 +63,21 @@ def fp8_moe_model(seed: int = 0):
     return cfg, graph, weights
 
 
-def test_fp8_moe_plan_matches_numpy_node_by_node():
-    cfg, graph, weights = fp8_moe_model()
-    assert [n.op for n in graph.nodes.values()].count("moe_experts_fp8") == 1
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantised_moe_plan_matches_numpy_node_by_node(fmt):
+    cfg, graph, weights = fp8_moe_model(qc=NVFP4_CONFIG if fmt == "nvfp4" else None)
+    assert [n.op for n in graph.nodes.values()].count(f"moe_experts_{fmt}") == 1
     run = _NodePlan(cfg, graph, weights)
     for b in BUCKETS:
         kernels = Counter(spec.kernel for spec, _ in run.lowered[b])
         assert kernels["moe_gate_up_kernel"] == kernels["moe_down_kernel"] == 1
         assert kernels["moe_align_kernel"] == (0 if b.decode else 1)
         gemms = [spec for spec, _ in run.lowered[b] if spec.kernel in ("moe_gate_up_kernel", "moe_down_kernel")]
-        assert all(s.constexprs["FP8"] and s.signature["w_ptr"] == "*fp8e4nv" and s.constexprs["BLOCK_M"] >= 64
-                   for s in gemms)
+        if fmt == "fp8":
+            assert all(s.constexprs["FP8"] and s.signature["w_ptr"] == "*fp8e4nv" and s.constexprs["BLOCK_M"] >= 64
+                       for s in gemms)
+        else:
+            assert all(s.constexprs["NV"] and s.signature["w_ptr"] == "*u8" for s in gemms)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 33, 17)]
     blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
