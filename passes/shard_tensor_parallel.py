@@ -66,7 +66,7 @@ class TensorParallelDims:
     linear_value_dim: int = 0
 
 
-QUANTISED_LINEARS = ("linear_fp8", "linear_nvfp4", "linear_gguf")
+QUANTISED_LINEARS = ("linear_fp8", "linear_nvfp4", "linear_gguf", "moe_experts_fp8", "moe_experts_nvfp4")
 
 
 class ShardTensorParallel(Pass):

@@ -337,3 +337,21 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_one_sentence(tmp_path):
     with pytest.raises(UnsupportedQuantizationError, match=r"^compressed-tensors FP8 with channel-wise weight scales "
                                                            r"MoE layers \(model\.layers\.1\.mlp\) are not supported"):
         load(ch, kv_cache_tokens=256, tokenizer=False)
+
+
+@pytest.mark.parametrize("qc", [{**BLOCK_CONFIG, "modules_to_not_convert": ["lm_head", "*self_attn*", "*mlp.gate"]},
+                                {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                 "exclude_modules": ["lm_head", "*self_attn*", "*mlp.gate"]}], ids=["fp8", "nvfp4"])
+def test_tensor_parallel_quantised_experts_are_refused_by_name(qc):
+    """Quantised experts are not sharded yet (their scales would be sliced with the rows): even where
+    every other linear is plain, tensor parallelism refuses the expert op by name."""
+    from kiln.loader import build_graph
+    from kiln.models.config import ModelConfig
+    from kiln.errors import ConfigError
+    from tests.tiny_models import BASE
+    from tests.tiny_moe import EXPERTS
+
+    cfg = ModelConfig.from_hf_dict({**BASE, **EXPERTS, "architectures": ["Qwen3MoeForCausalLM"],
+                                    "quantization_config": qc})
+    with pytest.raises(ConfigError, match=r"does not split moe_experts_(fp8|nvfp4) layers"):
+        build_graph(cfg, target="cpu", tensor_parallel=(2, 0))
