@@ -201,18 +201,24 @@ def _kth_largest_key(zb, V, k, idx, hist):
 
 
 @njit(cache=True, error_model="numpy")
-def _top_p_key(zb, e, cand, n, p, idx, hist):
-    """The key of the least value v among tokens cand[:n] whose fixed-point mass at or below v,
-    as float64, exceeds (1 - p) times the total (ops.apply_top_k_top_p's cut); -1 if none does
-    (the cut is then the top value). Masses int64(e * MASS_ONE) summed exactly: radix buckets
-    11 + 11 + 10 bits, as _kth_largest_key but from the bottom."""
+def _top_p_key(zb, e, cand, n, dense, p, idx, hist):
+    """The key of the least value v among tokens cand[:n] (dense: tokens 0..n-1) whose fixed-point
+    mass at or below v, as float64, exceeds (1 - p) times the total (ops.apply_top_k_top_p's cut);
+    -1 if none does (the cut is then the top value). Masses int64(e * MASS_ONE) summed exactly:
+    radix buckets 11 + 11 + 10 bits, as _kth_largest_key but from the bottom."""
     hist[:] = 0
     total = np.int64(0)
-    for t in range(n):
-        i = cand[t]
-        m = np.int64(e[i] * MASS_ONE)
-        hist[_key(zb[i]) >> 21] += m
-        total += m
+    if dense:
+        for i in range(n):
+            m = np.int64(e[i] * MASS_ONE)
+            hist[_key(zb[i]) >> 21] += m
+            total += m
+    else:
+        for t in range(n):
+            i = cand[t]
+            m = np.int64(e[i] * MASS_ONE)
+            hist[_key(zb[i]) >> 21] += m
+            total += m
     limit = (1.0 - np.float64(p)) * np.float64(total)
     below = np.int64(0)
     d = 0
@@ -223,11 +229,17 @@ def _top_p_key(zb, e, cand, n, p, idx, hist):
         return np.int64(-1)
     prefix = np.int64(d)
     c = 0
-    for t in range(n):
-        i = cand[t]
-        if _key(zb[i]) >> 21 == prefix:
-            idx[c] = i
-            c += 1
+    if dense:
+        for i in range(n):
+            if _key(zb[i]) >> 21 == prefix:
+                idx[c] = i
+                c += 1
+    else:
+        for t in range(n):
+            i = cand[t]
+            if _key(zb[i]) >> 21 == prefix:
+                idx[c] = i
+                c += 1
     for shift, width in ((10, 2047), (0, 1023)):
         hist[:width + 1] = 0
         for t in range(c):
@@ -290,15 +302,10 @@ def _sample_row(z, e, q, min_p, k, p, cand, idx, hist):
             if z[i] >= kth:
                 cand[n] = i
                 n += 1
-    elif p < 1.0:
-        for i in range(V):
-            cand[i] = i
-    if p < 1.0:
-        g = _top_p_key(zb, e, cand, n, p, idx, hist)
+    if p < 1.0:  # (without top-k every token is a candidate: cand is not filled)
+        g = _top_p_key(zb, e, cand, n, k >= V, p, idx, hist)
         if g < 0:  # nothing passes the limit: the top value's tokens stay
-            g = np.int64(0)
-            for t in range(n):
-                g = max(g, _key(zb[cand[t]]))
+            g = _key(zb[np.argmax(z)])
         cut = max(cut, g)
     if cut > 0:  # (cut tokens below the kept value; -inf ones have e = 0 already)
         v = _value(cut)
@@ -306,6 +313,17 @@ def _sample_row(z, e, q, min_p, k, p, cand, idx, hist):
             e[i] = np.float32(0.0) if z[i] < v else e[i]
     # the race: numpy's softmax of the kept row (its pairwise sum), (e / S) / q, the first argmax
     s = pairwise_sum(e, 0, V)
+    if k < V:  # every kept token is in cand[:n], in index order (the others' ratio is 0)
+        best = np.float32(-1.0)
+        tok = 0
+        for t in range(n):
+            i = cand[t]
+            if e[i] > 0.0:
+                r1 = (e[i] / s) / q[i]
+                if r1 > best:
+                    best = r1
+                    tok = i
+        return tok
     r = z  # z is spent: the ratios go there
     for i in range(V):
         r[i] = (e[i] / s) / q[i]
