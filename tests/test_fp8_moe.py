@@ -10,7 +10,7 @@ the embeddings, lm_head, the GDN conv1d / in_proj_a / in_proj_b and the vision t
 listed in modules_to_not_convert (tests/fp8_checkpoints.py hybrid_not_converted, plus the gates). Two
 cases: Qwen3MoeForCausalLM with [128, 128] blocks on a tiny model widened so that every expert
 dimension is whole blocks, and Qwen3_5MoeForConditionalGeneration (shared expert, GDN layers) with
-[16, 16] blocks (several activation groups a token).
+[16, 16] blocks (several activation groups a token) and its scales stored in bf16.
 
 Oracle (W8A8), as tests/test_fp8_hybrid.py builds it: transformers in f32 on the numpy-dequantised
 weights, every FP8 linear's input rounded to e4m3 per token per bk columns (scale max(amax, 1e-10) /
@@ -45,7 +45,10 @@ from tests.tiny_moe import make_tiny_moe
 # every dimension an expert reads or writes whole [128, 128] blocks: hidden 256, experts 128 wide;
 # the dense layer (mlp_only_layers) 256 wide
 WIDE = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, head_dim=32)
+# (variant, weight_block_size, config overrides); the Qwen3.5-MoE case stores its weight_scale_inv in
+# bf16, as some Qwen3.5/3.6 FP8 exports do (the format's scales are read in whatever float dtype they come)
 CASES = [("qwen3_moe", (128, 128), WIDE), ("qwen3_5_moe", (16, 16), {})]
+SCALE_DTYPE = {"qwen3_moe": np.float32, "qwen3_5_moe": ml_dtypes.bfloat16}
 QUANTISED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -72,8 +75,9 @@ def make_fp8_moe_checkpoint(out_dir: Path, variant: str, block=(128, 128), seed:
         if name.endswith(".weight") and w.ndim == 2 and (_leaf(module) in QUANTISED or ".experts." in name) \
                 and ".visual." not in f".{name}":
             q, s = quantize_block(w.astype(np.float32), *block)
+            s = s.astype(SCALE_DTYPE[variant])
             out[name], out[f"{module}.weight_scale_inv"] = q, s
-            deq[name] = dequantize_block(q, s, *block)
+            deq[name] = dequantize_block(q, s.astype(np.float32), *block)
         else:
             out[name] = w.astype(ml_dtypes.bfloat16)  # stays bf16, as the real checkpoints keep it
             deq[name] = out[name].astype(np.float32)
