@@ -32,12 +32,16 @@ so an 8B model is written at disk speed as bf16 is), in the layouts kiln reads:
          embeddings, norms and lm_head stay bf16; a hybrid also leaves each GDN layer's conv1d,
          in_proj_a and in_proj_b bf16 and lists them (and lm_head, the embeddings) in
          modules_to_not_convert by the file's names, as Qwen3.5/3.6-*-FP8 do (tests/fp8_checkpoints.py
-         hybrid_not_converted). A shape whose linears are not whole 128-blocks (the tiny ones) gets the
+         hybrid_not_converted). A MoE shape (qwen3-30b-a3b, qwen3.6-35b-a3b) quantises every expert's
+         gate/up/down_proj per expert (mlp.experts.{e}.*.weight + weight_scale_inv, tests/test_fp8_moe.py's
+         layout) and the shared expert; its router mlp.gate and mlp.shared_expert_gate stay bf16 and are
+         listed. A shape whose linears are not whole 128-blocks (the tiny ones) gets the
          largest power-of-two block that divides them.
   nvfp4  ModelOpt NVFP4 (models/nvfp4_config.py): every decoder Linear `weight` u8 [N, K/2] (two e2m1
          codes a byte), `weight_scale` e4m3 [N, K/16], `weight_scale_2` and `input_scale` f32 scalars;
          hf_quant_config.json and config.json's converted quantization_config, as NVIDIA's checkpoints
-         carry both (exclude_modules / ignore: lm_head, and a MoE layer's router gates).
+         carry both (exclude_modules / ignore: lm_head, and a MoE layer's router gates); a MoE shape's
+         experts are per expert, each with its own four tensors (tests/test_nvfp4_moe.py's layout).
   q4k    one GGUF file (gguf-py's GGUFWriter, llama architecture) mixed as llama.cpp's Q4_K_M
          (src/llama-quant.cpp llama_tensor_get_type_impl): Q4_K everywhere, Q6_K for output.weight and
          for attn_v / ffn_down in the layers use_more_bits picks (the first and last eighth and every
@@ -285,11 +289,9 @@ def check_format(shape: str, fmt: str) -> None:
     arch = cfg["architectures"][0]
     shapes = weight_shapes(cfg)
     if fmt in ("fp8", "nvfp4"):
-        from kiln.models.quant_config import DENSE_ARCHITECTURES
+        from kiln.models.quant_config import FP8_ARCHITECTURES, NVFP4_ARCHITECTURES
 
-        # the dense decoders only, as this writer quantises no MoE experts (kiln runs block-wise FP8 and
-        # NVFP4 experts too: models/quant_config.py FP8_ARCHITECTURES, NVFP4_ARCHITECTURES)
-        archs = DENSE_ARCHITECTURES
+        archs = FP8_ARCHITECTURES if fmt == "fp8" else NVFP4_ARCHITECTURES
         if arch not in archs:
             raise FormatRefused(f"{shape} in {fmt} is not written: this writer makes {fmt} checkpoints of "
                                 f"{', '.join(archs)} only, not {arch} (models/quant_config.py)")
@@ -344,6 +346,40 @@ def checkpoint_bytes(shape: str, fmt: str = "bf16", pure: bool = False) -> int:
     if fmt == "q4k":
         return sum(nbytes for _, _, _, nbytes in gguf_plan(cfg, pure))
     return sum(_nbytes(s) for s in tensor_plan(cfg, fmt).values())
+
+
+def decode_bytes(shape: str, fmt: str = "bf16", pure: bool = False) -> int:
+    """The weight bytes one batch-1 decode token reads, from the plan alone (what bench/workloads.py
+    decode_weight_bytes counts on the loaded GPU graph): every tensor as stored (e4m3 weights, f32 / e4m3
+    scales, u8 pairs, GGUF blocks; a GGUF's F32 norms in the graph's bf16), but NVFP4's input_scale (W4A16
+    does not read it), one row of an untied embedding, f32 for a hybrid's A_log / dt_bias (the graph keeps
+    the GDN decay parameters in f32), and of a MoE layer's experts the num_experts_per_tok the router
+    picks: their quantised weights and their scales."""
+    cfg = hf_config(shape)
+    t = _text(cfg)
+    if fmt == "q4k":
+        total = 0
+        for name, qtype, hf_shape, nbytes in gguf_plan(cfg, pure):
+            if name == "token_embd.weight" and not t.get("tie_word_embeddings", False):
+                total += 2 * hf_shape[1]  # one bf16 row
+            else:
+                total += 2 * math.prod(hf_shape) if qtype == "F32" else nbytes
+        return total
+    total = experts = 0
+    for name, spec in tensor_plan(cfg, fmt).items():
+        n = _nbytes(spec)
+        if name.endswith(".input_scale"):
+            continue
+        if name.endswith("embed_tokens.weight") and not t.get("tie_word_embeddings", False):
+            n //= spec[1][0]
+        elif name.endswith((".A_log", ".dt_bias")):
+            n = 4 * math.prod(spec[1])
+        if ".mlp.experts." in name:
+            experts += n
+        else:
+            total += n
+    # every expert of every MoE layer has the same tensors: the picked ones are k / E of them
+    return total + experts * t.get("num_experts_per_tok", 0) // max(t.get("num_experts") or 1, 1)
 
 
 def quantization_config(cfg: dict, fmt: str) -> tuple[dict | None, dict | None]:
@@ -698,7 +734,8 @@ def _shape_list() -> str:
 
 
 def dry_run_lines(shape: str, shard_gb: float) -> list[str]:
-    """--dry-run's report: per format the tensor count, the bytes and the shards, or why it is not written."""
+    """--dry-run's report: per format the tensor count, the bytes, the shards and the weight bytes a
+    batch-1 decode token reads (decode_bytes: a MoE's routed experts only), or why it is not written."""
     cfg = hf_config(shape)
     lines = []
     for fmt in FORMATS:
@@ -715,8 +752,11 @@ def dry_run_lines(shape: str, shard_gb: float) -> list[str]:
             plan = tensor_plan(cfg, fmt)
             n = len(plan)
             files = f"{len(plan_shards(plan, int(shard_gb * 1e9)))} shard(s) of at most {shard_gb:g} GB"
+        read = decode_bytes(shape, fmt)
+        t = _text(cfg)
+        picked = f" ({t['num_experts_per_tok']} of {t['num_experts']} experts)" if t.get("num_experts") else ""
         lines.append(f"{shape} {fmt}: {n} tensors, {total} bytes ({total / 1e9:.2f} GB, {total / 2**30:.2f} GiB), "
-                     f"{files}")
+                     f"{files}; a decode token reads {read} bytes ({read / 1e9:.2f} GB){picked}")
     return lines
 
 

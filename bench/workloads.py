@@ -182,7 +182,8 @@ def decode_weight_bytes(graph, cfg) -> int:
     holds it in (so a quantised checkpoint's weights and scales as stored: FP8 e4m3 weights and their
     f32 scales, NVFP4's packed u8 pairs, e4m3 block scales and f32 tensor scales, a GGUF linear's raw
     u8 blocks; the plain tensors in the graph's dtype), except that an untied embedding table gives one
-    row (a tied one is read whole by the LM head) and a stacked expert tensor ([num_experts, ...]) gives
+    row (a tied one is read whole by the LM head) and a stacked expert tensor ([num_experts, ...]: the
+    weights and every scale of FP8 / NVFP4 experts, NVFP4's [num_experts, 2] tensor scales too) gives
     the num_experts_per_tok experts the router picks. An untied head may be `lm_head.weight` or a
     GGUF's `lm_head.gguf_weight`: the embedding is one row either way."""
     from kiln.graph import to_numpy
@@ -190,7 +191,7 @@ def decode_weight_bytes(graph, cfg) -> int:
     total = 0
     for t in graph.weights:
         n = to_numpy(t.dtype).itemsize * int(np.prod(t.shape))
-        if cfg.num_experts and len(t.shape) == 3 and t.shape[0] == cfg.num_experts and ".experts." in t.name:
+        if cfg.num_experts and len(t.shape) >= 2 and t.shape[0] == cfg.num_experts and ".experts." in t.name:
             n = n // cfg.num_experts * cfg.num_experts_per_tok
         if t.name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
             n //= t.shape[0]

@@ -85,6 +85,12 @@ TEST_SHAPES: dict[str, dict] = {
                          num_attention_heads=12, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
                          linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
                          max_position_embeddings=4096, rope_parameters=_TINY_ROPE),
+    # Qwen3-30B-A3B's structure: every layer MoE (2 of 8 routed, no shared expert), q/k norms, untied head
+    "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=320, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=1000000.0,
+                           tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     # Qwen3.6-35B-A3B's structure: Hq/Hkv 8, Hv/Hk 2, every layer MoE (2 of 8 routed + 1 shared)
     "tiny-qwen3.6-moe": dict(_QWEN3_5_COMMON, architectures=["Qwen3_5MoeForConditionalGeneration"],
                              vocab_size=320, hidden_size=64, num_hidden_layers=4, layer_types=_hybrid_layer_types(4),
