@@ -206,3 +206,50 @@ def quantize_activations(model):
         if "layers" in name.split(".") and _leaf(name) in model.fp8_linears and name not in model.fp8_skip:
             mod.register_forward_pre_hook(hook_for(name))
     return model
+
+
+# -- the W8A8-oracle checks tests/test_fp8_hybrid.py, tests/test_fp8_moe.py and
+# tests/test_make_random_model_moe.py share: each passes its own probe (kiln's logits and quantised
+# activations of a step) and its own oracle (the W8A16 model told kiln's rounding) ----------------------
+
+def check_w8a8_logits(probe, oracle_logits, w8a16, prompts, variant: str) -> None:
+    """Each prompt's logits (probe.run(prompt) -> (logits, acts)) within 1e-3 of the W8A8 oracle
+    (oracle_logits(w8a16, prompt, acts, stats)), where the unrounded W8A16 model is more than 2e-2 off
+    (else the test could not tell W8A8 from W8A16); ties at most 1e-4 of the rounded elements."""
+    from tests.test_fp8_models import _rel
+
+    stats = {"elements": 0, "ties": 0}
+    for p in prompts:
+        got, acts = probe.run(p)
+        ref = oracle_logits(w8a16, p, acts, stats)
+        with torch.no_grad():
+            unrounded = w8a16(torch.tensor([p])).logits[0].numpy()
+        assert _rel(got, ref) <= 1e-3, f"{variant}: {len(p)}-token prompt {_rel(got, ref):.2e} from the W8A8 oracle"
+        assert _rel(unrounded, ref) > 2e-2, f"{variant}: the activation rounding moves logits only " \
+                                            f"{_rel(unrounded, ref):.2e}: the test cannot tell W8A8 from W8A16"
+    assert stats["ties"] <= 1e-4 * stats["elements"], stats
+
+
+def check_w8a8_greedy(lm, probe, oracle_logits, w8a16, prompt, variant: str, steps: int = 32) -> None:
+    """`steps` greedy steps of kiln (the prompt's prefill, then one decode step a token, as
+    runtime/worker/generate.py greedy_generate steps; probe.run_chunk) equal the oracle's argmax at every
+    generated position and are within 1e-3 of its logits, the oracle told the rounding kiln's steps
+    made of each token."""
+    from kiln.runtime.worker.input_batch import SeqChunk
+    from tests.test_fp8_models import _rel
+
+    stats = {"elements": 0, "ties": 0}
+    blocks = list(range(-(-(len(prompt) + steps) // lm.block_size)))
+    seq, ours, acts_of, rows = list(prompt), [], [], []
+    chunk = SeqChunk(seq, 0, blocks, state_slot=0)
+    while len(ours) < steps:
+        logits, acts = probe.run_chunk(chunk)
+        acts_of.append(acts)
+        rows.append(logits[-1])
+        ours.append(int(logits[-1].argmax()))
+        seq.append(ours[-1])
+        chunk = SeqChunk([ours[-1]], len(seq) - 1, blocks, state_slot=0)
+    acts = {k: tuple(np.concatenate([a[k][i] for a in acts_of]) for i in (0, 1)) for k in acts_of[0]}
+    ref = oracle_logits(w8a16, seq[:-1], acts, stats)[len(prompt) - 1:]
+    assert ref.argmax(axis=-1).tolist() == ours, variant
+    assert _rel(np.stack(rows), ref) <= 1e-3, variant

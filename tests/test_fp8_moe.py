@@ -37,9 +37,10 @@ from kiln.graph.fp8_ops import moe_fp8_act
 from kiln.loader import load
 from kiln.runtime.worker.cpu_executor import CpuExecutor
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
-from tests.fp8_checkpoints import BLOCK_CONFIG, CHANNEL_CONFIG, dequantize_block, hybrid_not_converted, quantize_block
+from tests.fp8_checkpoints import (BLOCK_CONFIG, CHANNEL_CONFIG, check_w8a8_greedy, check_w8a8_logits,
+                                  dequantize_block, hybrid_not_converted, quantize_block)
 from tests.test_fp8_hybrid import TIE, _ordinal
-from tests.test_fp8_models import _prompts, _rel
+from tests.test_fp8_models import _prompts
 from tests.tiny_moe import make_tiny_moe
 
 # every dimension an expert reads or writes whole [128, 128] blocks: hidden 256, experts 128 wide;
@@ -265,16 +266,7 @@ def test_graph_keeps_the_experts_in_fp8(moe):
 
 def test_logits_match_w8a8_oracle(moe):
     (variant, *_), _, lm, w8a16 = moe
-    probe, stats = _Probe(lm), {"elements": 0, "ties": 0}
-    for p in _prompts(256, seed=1):
-        got, acts = probe.run(p)
-        ref = _oracle_logits(w8a16, p, acts, stats)
-        with torch.no_grad():
-            unrounded = w8a16(torch.tensor([p])).logits[0].numpy()
-        assert _rel(got, ref) <= 1e-3, f"{variant}: {len(p)}-token prompt {_rel(got, ref):.2e} from the W8A8 oracle"
-        assert _rel(unrounded, ref) > 2e-2, f"{variant}: the activation rounding moves logits only " \
-                                            f"{_rel(unrounded, ref):.2e}: the test cannot tell W8A8 from W8A16"
-    assert stats["ties"] <= 1e-4 * stats["elements"], stats
+    check_w8a8_logits(_Probe(lm), _oracle_logits, w8a16, _prompts(256, seed=1), variant)
 
 
 def test_greedy_tokens_match_w8a8_oracle(moe):
@@ -282,21 +274,7 @@ def test_greedy_tokens_match_w8a8_oracle(moe):
     every generated position, the oracle told the rounding kiln's steps made of each token."""
     (variant, *_), _, lm, w8a16 = moe
     (prompt,) = _prompts(256, seed=2, lens=(16,))
-    probe, stats = _Probe(lm), {"elements": 0, "ties": 0}
-    blocks = list(range(-(-(len(prompt) + 32) // lm.block_size)))
-    seq, ours, steps, rows = list(prompt), [], [], []
-    chunk = SeqChunk(seq, 0, blocks, state_slot=0)
-    while len(ours) < 32:
-        logits, acts = probe.run_chunk(chunk)
-        steps.append(acts)
-        rows.append(logits[-1])
-        ours.append(int(logits[-1].argmax()))
-        seq.append(ours[-1])
-        chunk = SeqChunk([ours[-1]], len(seq) - 1, blocks, state_slot=0)
-    acts = {k: tuple(np.concatenate([a[k][i] for a in steps]) for i in (0, 1)) for k in steps[0]}
-    ref = _oracle_logits(w8a16, seq[:-1], acts, stats)[len(prompt) - 1:]
-    assert ref.argmax(axis=-1).tolist() == ours, variant
-    assert _rel(np.stack(rows), ref) <= 1e-3, variant
+    check_w8a8_greedy(lm, _Probe(lm), _oracle_logits, w8a16, prompt, variant)
 
 
 def _rewrite(path: Path, fn):

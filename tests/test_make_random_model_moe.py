@@ -10,7 +10,7 @@ expert, GDN layers) and tiny-qwen3-moe (Qwen3MoeForCausalLM):
 - kiln (numpy target) against transformers in f32 on the weights dequantised here from the files:
   nvfp4 (W4A16) within 1e-3 (tests/test_nvfp4_moe.py's bound); fp8 against the W8A8 oracle of
   tests/test_fp8_moe.py (every FP8 linear's and expert's input and the experts' intermediate rounded to
-  e4m3 per token per block) within 1e-3, where the unrounded model is further off;
+  e4m3 per token per block) within 1e-3, where the unrounded model is more than 2e-2 off;
 - the decode roofline (bench/workloads.py decode_weight_bytes on the sm_90 graph) and --dry-run's
   figure (make_random_model.decode_bytes) both equal the bytes a decode token reads counted from the
   files: of the experts only num_experts_per_tok / num_experts of their weights and scales.
@@ -35,6 +35,7 @@ from kiln.models.source import open_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.fp8_checkpoints import check_w8a8_logits  # noqa: E402
 from tests.test_fp8_models import _prompts, _rel  # noqa: E402
 from tests.test_fp8_moe import _oracle_logits, _Probe  # noqa: E402
 
@@ -189,16 +190,7 @@ def test_logits_match_the_dequantised_oracle(ckpts, case, tmp_path):
                 ref = oracle(torch.tensor([p])).logits[0].numpy()
             assert np.isfinite(got).all() and _rel(got, ref) <= 1e-3, f"{shape}: {_rel(got, ref):.2e} from W4A16"
         return
-    probe, stats = _Probe(lm), {"elements": 0, "ties": 0}
-    for p in prompts:
-        got, acts = probe.run(p)
-        ref = _oracle_logits(oracle, p, acts, stats)
-        with torch.no_grad():
-            unrounded = oracle(torch.tensor([p])).logits[0].numpy()
-        assert np.isfinite(got).all() and _rel(got, ref) <= 1e-3, f"{shape}: {_rel(got, ref):.2e} from W8A8"
-        assert _rel(unrounded, ref) > 1e-2, f"{shape}: the activation rounding moves logits only " \
-                                            f"{_rel(unrounded, ref):.2e}: the test cannot tell W8A8 from W8A16"
-    assert stats["ties"] <= 1e-4 * stats["elements"], stats
+    check_w8a8_logits(_Probe(lm), _oracle_logits, oracle, prompts, shape)
 
 
 def _expected_decode_bytes(path: Path) -> int:
