@@ -17,6 +17,11 @@ runtime/cpu/sample_kernels.py, on KILN_CPU_THREADS threads or the count its Thre
 as the compiled executor runs them), whose tokens must equal
 numpy's (`same`). Half the rows are seeded. Run it with PYTHONPATH at an older kiln for a
 before/after on the same machine (that kiln's numpy sampler only).
+
+--cpu --engine: the same inside the engine: kiln.LLM on the default model (compiled target), --streams
+prompts of 128 random tokens sampled at temperature 0.8, top-p 0.95 for 64 tokens, offline, the runner's
+sampler alternated between the compiled kernels and the numpy steps --reps times in one process (so a
+change of load on a shared machine hits both alike); output tok/s of each run, the tokens checked equal.
 """
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ def cpu_main(a) -> dict:
                 got = [sampler.sample(logits, md).sampled_token_ids.tolist() for _ in range(3)]
                 ref = ref or got
                 times = []
-                for _ in range(a.reps):
+                for _ in range(a.reps or 30):
                     t0 = time.perf_counter()
                     sampler.sample(logits, md)
                     times.append(time.perf_counter() - t0)
@@ -82,16 +87,53 @@ def cpu_main(a) -> dict:
     return res
 
 
+def engine_main(a) -> dict:
+    """Offline streams through kiln.LLM, the compiled and the numpy sampler alternated."""
+    import os
+    import time
+
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(None, kv_cache_tokens=8192, enable_prefix_caching=False)
+    sampler = llm.engine.core.runner.sampler
+    compiled = sampler.compiled
+    if compiled is None:
+        raise SystemExit("this engine has no compiled sampler (KILN_CPU_BACKEND=numpy, or an older kiln)")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, llm.engine.vocab_size, 128).tolist() for _ in range(a.streams)]
+    sp = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, ignore_eos=True)
+    res: dict = {"compiled": [], "numpy": [], "load": []}
+    ref = None
+    for rep in range(a.reps or 3):
+        for tag, comp in (("compiled", compiled), ("numpy", None)):
+            sampler.compiled = comp
+            sampler._rng = np.random.default_rng(0)  # the unseeded rows draw the same noise each run
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            dt = time.perf_counter() - t0
+            toks = [o.outputs[0].token_ids for o in outs]
+            ref = ref or toks
+            rate = sum(len(t) for t in toks) / dt
+            res[tag].append(rate)
+            res["load"].append(os.getloadavg()[0])
+            print(f"{a.streams} streams, {tag:8s} sampler: {rate:6.1f} output tok/s  same={toks == ref}  "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+    sampler.compiled = compiled
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--baseline", action="append", default=[])
     ap.add_argument("--cpu", action="store_true", help="time the host Sampler instead of the GPU kernel")
-    ap.add_argument("--reps", type=int, default=30, help="--cpu: timed steps per case")
+    ap.add_argument("--reps", type=int, help="--cpu: timed steps per case (default 30; --engine: runs, default 3)")
+    ap.add_argument("--engine", action="store_true", help="--cpu: 8 sampled streams through kiln.LLM instead")
+    ap.add_argument("--streams", type=int, default=8, help="--engine: concurrent requests")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.cpu:
-        res = cpu_main(a)
+        res = engine_main(a) if a.engine else cpu_main(a)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
