@@ -39,6 +39,7 @@ from kiln.runtime.worker.cpu_executor import CpuExecutor
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
 from tests.fp8_checkpoints import (BLOCK_CONFIG, CHANNEL_CONFIG, check_w8a8_greedy, check_w8a8_logits,
                                   dequantize_block, hybrid_not_converted, quantize_block)
+from tests.moe_checkpoints import QUANTISED, _leaf, dequantised_oracle, quantised_state
 from tests.test_fp8_hybrid import TIE, _ordinal
 from tests.test_fp8_models import _prompts
 from tests.tiny_moe import make_tiny_moe
@@ -50,17 +51,6 @@ WIDE = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, h
 # bf16, as some Qwen3.5/3.6 FP8 exports do (the format's scales are read in whatever float dtype they come)
 CASES = [("qwen3_moe", (128, 128), WIDE), ("qwen3_5_moe", (16, 16), {})]
 SCALE_DTYPE = {"qwen3_moe": np.float32, "qwen3_5_moe": ml_dtypes.bfloat16}
-QUANTISED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-             "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
-
-
-def _leaf(module: str) -> str:
-    """model.language_model.layers.3.mlp.experts.5.up_proj -> mlp.experts.up_proj (the expert index dropped)"""
-    parts = module.split(".")
-    rest = parts[parts.index("layers") + 2:] if "layers" in parts else parts
-    return ".".join(p for p in rest if not p.isdigit())
 
 
 def make_fp8_moe_checkpoint(out_dir: Path, variant: str, block=(128, 128), seed: int = 0, **overrides):
@@ -69,21 +59,13 @@ def make_fp8_moe_checkpoint(out_dir: Path, variant: str, block=(128, 128), seed:
     .deq: the dequantised per-expert weights by file name."""
     src = out_dir / "bf16"
     model = make_tiny_moe(src, variant, seed=seed, **overrides)
-    sd = load_file(str(src / "model.safetensors"))
-    out, deq = {}, {}
-    for name, w in sd.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and w.ndim == 2 and (_leaf(module) in QUANTISED or ".experts." in name) \
-                and ".visual." not in f".{name}":
-            q, s = quantize_block(w.astype(np.float32), *block)
-            s = s.astype(SCALE_DTYPE[variant])
-            out[name], out[f"{module}.weight_scale_inv"] = q, s
-            deq[name] = dequantize_block(q, s.astype(np.float32), *block)
-        else:
-            out[name] = w.astype(ml_dtypes.bfloat16)  # stays bf16, as the real checkpoints keep it
-            deq[name] = out[name].astype(np.float32)
-    if model.config.get_text_config().tie_word_embeddings:
-        out.pop("lm_head.weight", None)
+
+    def quantise(module, w):
+        q, s = quantize_block(w, *block)
+        s = s.astype(SCALE_DTYPE[variant])
+        deq = dequantize_block(q, s.astype(np.float32), *block)
+        return {f"{module}.weight": q, f"{module}.weight_scale_inv": s}, deq
+    out, deq = quantised_state(model, src, quantise)
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     layers = model.config.get_text_config().num_hidden_layers
@@ -98,10 +80,7 @@ def make_fp8_moe_checkpoint(out_dir: Path, variant: str, block=(128, 128), seed:
     for f in ("generation_config.json",):
         if (src / f).exists():
             (out_dir / f).write_text((src / f).read_text())
-    save_file(deq, str(src / "model.safetensors"), metadata={"format": "pt"})  # the oracle's weights
-    cls = type(model)
-    w8a16 = cls.from_pretrained(src, dtype=torch.float32).eval()
-    w8a16.config._experts_implementation = "eager"
+    w8a16 = dequantised_oracle(model, src, deq)
     w8a16.deq = deq
     w8a16.block = block
     return w8a16

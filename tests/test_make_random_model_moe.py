@@ -67,7 +67,8 @@ def _file_tensors(path: Path) -> dict[str, np.ndarray]:
     """Through safetensors' torch reader (its numpy one has no e4m3), e4m3 and bf16 as ml_dtypes arrays."""
     from safetensors.torch import load_file
 
-    as_np = {torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn), torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
+    as_np = {torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+             torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         for k, v in load_file(str(f)).items():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -23,44 +22,26 @@ from safetensors.numpy import load_file, save_file
 from kiln.errors import InvalidModelError
 from kiln.loader import load
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+from tests.moe_checkpoints import dequantised_oracle, quantised_state
 from tests.nvfp4_checkpoints import HF_QUANT_CONFIG, quantize_nvfp4
 from tests.test_fp8_models import _prompts, _rel
 from tests.tiny_moe import make_tiny_moe
 
-QUANTISED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-             "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
 EXCLUDE = ["lm_head", "*mlp.gate", "*mlp.shared_expert_gate", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b",
            "*visual*"]
-
-
-def _leaf(module: str) -> str:
-    parts = module.split(".")
-    rest = parts[parts.index("layers") + 2:] if "layers" in parts else parts
-    return ".".join(p for p in rest if not p.isdigit())
 
 
 def make_nvfp4_moe_checkpoint(out_dir: Path, variant: str, seed: int = 0):
     """-> the f32 transformers model on the dequantised weights (the W4A16 oracle)."""
     src = out_dir / "bf16"
     model = make_tiny_moe(src, variant, seed=seed)
-    sd = load_file(str(src / "model.safetensors"))
-    out, deq = {}, {}
-    for name, w in sd.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and w.ndim == 2 and (_leaf(module) in QUANTISED or ".experts." in name) \
-                and ".visual." not in f".{name}":
-            packed, s, s2, d = quantize_nvfp4(w.astype(np.float32))
-            out[name], out[f"{module}.weight_scale"] = packed, s
-            out[f"{module}.weight_scale_2"] = np.array(s2, np.float32)  # scalars, as ModelOpt saves them
-            out[f"{module}.input_scale"] = np.array(1.0 / 448, np.float32)  # (W4A4's; not read by W4A16)
-            deq[name] = d.astype(np.float32)
-        else:
-            out[name] = w.astype(ml_dtypes.bfloat16)
-            deq[name] = out[name].astype(np.float32)
-    if model.config.get_text_config().tie_word_embeddings:
-        out.pop("lm_head.weight", None)
+
+    def quantise(module, w):
+        packed, s, s2, d = quantize_nvfp4(w)
+        return {f"{module}.weight": packed, f"{module}.weight_scale": s,
+                f"{module}.weight_scale_2": np.array(s2, np.float32),  # scalars, as ModelOpt saves them
+                f"{module}.input_scale": np.array(1.0 / 448, np.float32)}, d.astype(np.float32)  # (W4A4's)
+    out, deq = quantised_state(model, src, quantise)
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
@@ -68,10 +49,7 @@ def make_nvfp4_moe_checkpoint(out_dir: Path, variant: str, seed: int = 0):
     hq = json.loads(json.dumps(HF_QUANT_CONFIG))
     hq["quantization"]["exclude_modules"] = EXCLUDE
     (out_dir / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
-    save_file(deq, str(src / "model.safetensors"), metadata={"format": "pt"})
-    oracle = type(model).from_pretrained(src, dtype=torch.float32).eval()
-    oracle.config._experts_implementation = "eager"
-    return oracle
+    return dequantised_oracle(model, src, deq)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
