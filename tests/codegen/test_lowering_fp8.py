@@ -99,6 +99,21 @@ class _NodePlan(_Plan):
         finally:
             L._Lowerer.lower = orig
 
+    def check_prefill_then_decode(self) -> None:
+        """Three prompts' prefill (BUCKETS[1]) then one decode step of each (BUCKETS[0]), every node
+        checked (checked_step); the whole plan's logits finite and within a quarter of the largest
+        (the module docstring says why not closer)."""
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, 256, n).tolist() for n in (5, 33, 17)]
+        blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+        got, want = self.checked_step(BUCKETS[1], [SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
+        nxt = [int(t) for t in want.argmax(-1)]
+        steps = [(got, want), self.checked_step(BUCKETS[0], [SeqChunk([t], len(p), b)
+                                                             for t, p, b in zip(nxt, prompts, blocks)])]
+        for got, want in steps:
+            assert np.isfinite(got).all()
+            assert np.abs(got - want).max() <= 0.25 * np.abs(want).max()
+
     def read(self, low, name, live, inputs):
         """The plan's current value of tensor `name`, its live rows only."""
         t = self.graph.tensors[name]
@@ -180,13 +195,4 @@ def test_fp8_plan_matches_numpy_node_by_node(arch, layout):
             specs = [spec for spec, _ in run.lowered[b]]
             assert any(a.kernel == "gemm_kernel" and c.kernel == "fp8_quant_kernel" and c.constexprs["MODE"] == 2
                        for a, c in zip(specs, specs[1:]))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 33, 17)]
-    blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
-    got, want = run.checked_step(BUCKETS[1], [SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
-    nxt = [int(t) for t in want.argmax(-1)]
-    steps = [(got, want), run.checked_step(BUCKETS[0], [SeqChunk([t], len(p), b)
-                                                        for t, p, b in zip(nxt, prompts, blocks)])]
-    for got, want in steps:  # whole plan: finite and near (see the docstring for why not closer)
-        assert np.isfinite(got).all()
-        assert np.abs(got - want).max() <= 0.25 * np.abs(want).max()
+    run.check_prefill_then_decode()
