@@ -99,16 +99,24 @@ def test_fp8_logits_match_the_cpu_executor(fp8):
 
 def test_fp8_greedy_alone_batched_chunked(fp8, gpu_target):
     name, d, _, _, _ = fp8
+    # a hybrid's chunks must end on whole GDN windows to keep the one-step bits (module docstring)
+    budget = GDN_CHUNK_ALIGN if name.startswith("qwen3_5") else 32
+    check_greedy_alone_batched_chunked(name, d, gpu_target, budget=budget)
+
+
+def check_greedy_alone_batched_chunked(name, d, gpu_target, budget: int = 32, small_bundle: str = "bundle_llm",
+                                       **small) -> None:
+    """The engine's invariance on the checkpoint at d (the FP8 / NVFP4 GPU tests share it): 16 prompts'
+    24 greedy tokens each alone equal them batched (a 256-token budget) and chunked (a second engine
+    of `budget` tokens, its bundle in d / small_bundle, `small` its other engine arguments)."""
     prompts = _prompts(16, seed=3)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    common = dict(target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32,
-                  bundle_dir=str(d / "bundle_llm"))
-    big = LLM(d, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, **common)
+    common = dict(target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32)
+    big = LLM(d, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, bundle_dir=str(d / "bundle_llm"), **common)
     alone = [big.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
     batched = [o.outputs[0].token_ids for o in big.generate(prompts, sp)]
     assert batched == alone, f"{name}: batched differs from alone"
-    # a hybrid's chunks must end on whole GDN windows to keep the one-step bits (module docstring)
-    budget = GDN_CHUNK_ALIGN if name.startswith("qwen3_5") else 32
-    small = LLM(d, max_num_batched_tokens=budget, kv_cache_tokens=16 * 1024, **common)
-    chunked = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
+    chunker = LLM(d, max_num_batched_tokens=budget, kv_cache_tokens=16 * 1024, bundle_dir=str(d / small_bundle),
+                  **small, **common)
+    chunked = [o.outputs[0].token_ids for o in chunker.generate(prompts, sp)]
     assert chunked == alone, f"{name}: chunked (budget {budget}) differs from alone"

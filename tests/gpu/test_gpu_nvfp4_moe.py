@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln import LLM, SamplingParams
 from kiln.loader import build_graph, load
 from kiln.runtime.worker.cpu_executor import CpuExecutor
-from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked
 from tests.test_nvfp4_moe import make_nvfp4_moe_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -49,14 +48,4 @@ def test_nvfp4_moe_logits_match_the_bf16_numpy_executor(nvfp4_moe):
 
 def test_nvfp4_moe_greedy_alone_batched_chunked(nvfp4_moe, gpu_target):
     name, d, _, _ = nvfp4_moe
-    prompts = _prompts(16, seed=3)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    common = dict(target=gpu_target, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=32)
-    big = LLM(d, max_num_batched_tokens=256, kv_cache_tokens=16 * 1024, bundle_dir=str(d / "bundle_llm"), **common)
-    alone = [big.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
-    batched = [o.outputs[0].token_ids for o in big.generate(prompts, sp)]
-    assert batched == alone, f"{name}: batched differs from alone"
-    small = LLM(d, max_num_batched_tokens=32, kv_cache_tokens=16 * 1024, enable_prefix_caching=False,
-                bundle_dir=str(d / "bundle32"), **common)
-    chunked = [o.outputs[0].token_ids for o in small.generate(prompts, sp)]
-    assert chunked == alone, f"{name}: chunked (budget 32) differs from alone"
+    check_greedy_alone_batched_chunked(name, d, gpu_target, small_bundle="bundle32", enable_prefix_caching=False)
