@@ -212,6 +212,17 @@ def quantize_activations(model):
 # tests/test_make_random_model_moe.py share: each passes its own probe (kiln's logits and quantised
 # activations of a step) and its own oracle (the W8A16 model told kiln's rounding) ----------------------
 
+def hooked_logits(model, prompt, handles) -> np.ndarray:
+    """The f32 logits [T, V] of `model` on one prompt with the forward hooks `handles` (a told oracle's),
+    which are removed afterwards."""
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([prompt])).logits[0].numpy()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def check_w8a8_logits(probe, oracle_logits, w8a16, prompts, variant: str) -> None:
     """Each prompt's logits (probe.run(prompt) -> (logits, acts)) within 1e-3 of the W8A8 oracle
     (oracle_logits(w8a16, prompt, acts, stats)), where the unrounded W8A16 model is more than 2e-2 off

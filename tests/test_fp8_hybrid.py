@@ -35,7 +35,7 @@ import transformers
 from kiln.loader import load
 from kiln.runtime.worker.cpu_executor import CpuExecutor
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
-from tests.fp8_checkpoints import _leaf, check_w8a8_greedy, check_w8a8_logits, make_fp8_checkpoint
+from tests.fp8_checkpoints import _leaf, check_w8a8_greedy, check_w8a8_logits, hooked_logits, make_fp8_checkpoint
 from tests.test_fp8_models import _prompts, _rel
 
 # every quantised dimension a multiple of 128: hidden 256, q_proj 4 x 2 x 64, k/v 2 x 64, GDN
@@ -129,13 +129,7 @@ def _ordinal(v: torch.Tensor) -> torch.Tensor:
 
 
 def _oracle_logits(model, prompt, acts, stats, min_scale: float | None = None):
-    handles = _told_oracle(model, acts, stats, min_scale)
-    try:
-        with torch.no_grad():
-            return model(torch.tensor([prompt])).logits[0].numpy()
-    finally:
-        for h in handles:
-            h.remove()
+    return hooked_logits(model, prompt, _told_oracle(model, acts, stats, min_scale))
 
 
 def test_hybrid_graph_is_fp8(hybrid):

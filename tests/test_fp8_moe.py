@@ -37,7 +37,7 @@ from kiln.graph.fp8_ops import moe_fp8_act
 from kiln.loader import load
 from kiln.runtime.worker.cpu_executor import CpuExecutor
 from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
-from tests.fp8_checkpoints import (BLOCK_CONFIG, CHANNEL_CONFIG, check_w8a8_greedy, check_w8a8_logits,
+from tests.fp8_checkpoints import (BLOCK_CONFIG, CHANNEL_CONFIG, check_w8a8_greedy, check_w8a8_logits, hooked_logits,
                                   dequantize_block, hybrid_not_converted, quantize_block)
 from tests.moe_checkpoints import QUANTISED, _leaf, dequantised_oracle, quantised_state
 from tests.test_fp8_hybrid import TIE, _ordinal
@@ -210,13 +210,7 @@ def _patch_experts(mod, told, told_act, stats, key, bk):
 
 
 def _oracle_logits(model, prompt, acts, stats):
-    handles = _oracle(model, acts, stats)
-    try:
-        with torch.no_grad():
-            return model(torch.tensor([prompt])).logits[0].numpy()
-    finally:
-        for h in handles:
-            h.remove()
+    return hooked_logits(model, prompt, _oracle(model, acts, stats))
 
 
 def test_graph_keeps_the_experts_in_fp8(moe):
