@@ -55,17 +55,25 @@ def _prompts(n: int, seed: int, vocab: int = 256):
     return [rng.integers(0, vocab, size=int(k)).tolist() for k in rng.integers(3, 90, size=n)]
 
 
+def load_cpu_gpu_bf16(path, gpu_target, bundle_dir, num_state_slots: int = 64, **cpu_kwargs):
+    """The checkpoint at `path` three ways, as the GPU logits tests compare them: on the cpu target (f32),
+    on the GPU (its bundle in bundle_dir), and the GPU's graph with bf16 activations run by the numpy
+    executor, what the storage dtype alone does (num_state_slots: a hybrid's GDN state, one slot a
+    prompt, _last_logits)."""
+    cpu = load(path, kv_cache_tokens=16 * 512, tokenizer=False, **cpu_kwargs)
+    gpu = load(path, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
+               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(bundle_dir))
+    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
+                       num_state_slots=num_state_slots)
+    return cpu, gpu, bf16
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}{'-skip' if c[2] else ''}")
 def fp8(request, tmp_path_factory, gpu_target):
     variant, layout, skip = request.param
     d = tmp_path_factory.mktemp(f"{variant}_{layout}")
     make_fp8_checkpoint(d, variant, layout, not_converted=skip, calib_prompts=_prompts(8, seed=99))
-    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
-    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
-               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
-    # the same FP8 graph with bf16 activations, on numpy: what the storage dtype alone does
-    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
-                       num_state_slots=64)  # a hybrid's GDN state: one slot a prompt (_last_logits)
+    cpu, gpu, bf16 = load_cpu_gpu_bf16(d, gpu_target, d / "bundle", num_state_slots=64)
     return f"{variant}-{layout}", d, cpu, gpu, bf16
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.loader import build_graph, load
-from kiln.runtime.worker.cpu_executor import CpuExecutor
-from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked, load_cpu_gpu_bf16
 from tests.test_fp8_moe import CASES, make_fp8_moe_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -27,12 +25,8 @@ def fp8_moe(request, tmp_path_factory, gpu_target):
     variant, block, overrides = request.param
     d = tmp_path_factory.mktemp(f"{variant}_fp8")
     make_fp8_moe_checkpoint(d, variant, block, **overrides)
-    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
-    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
-               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
+    cpu, gpu, bf16 = load_cpu_gpu_bf16(d, gpu_target, d / "bundle", num_state_slots=64)
     assert "moe_experts_fp8" in [n.op for n in gpu.graph.nodes.values()]
-    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
-                       num_state_slots=64)
     return variant, d, cpu, gpu, bf16
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.loader import build_graph, load
-from kiln.runtime.worker.cpu_executor import CpuExecutor
-from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked, load_cpu_gpu_bf16
 from tests.nvfp4_checkpoints import make_nvfp4_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -32,10 +30,7 @@ def nvfp4(request, tmp_path_factory, gpu_target):
     variant, skip = request.param
     d = tmp_path_factory.mktemp(f"{variant}_nvfp4")
     make_nvfp4_checkpoint(d, variant, exclude=skip)
-    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
-    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
-               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
-    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512)
+    cpu, gpu, bf16 = load_cpu_gpu_bf16(d, gpu_target, d / "bundle", num_state_slots=0)
     return variant, d, gpu, bf16
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.loader import build_graph, load
-from kiln.runtime.worker.cpu_executor import CpuExecutor
-from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked, load_cpu_gpu_bf16
 from tests.test_nvfp4_moe import make_nvfp4_moe_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -26,12 +24,8 @@ transformers = pytest.importorskip("transformers")
 def nvfp4_moe(request, tmp_path_factory, gpu_target):
     d = tmp_path_factory.mktemp(f"{request.param}_nvfp4")
     make_nvfp4_moe_checkpoint(d, request.param)
-    cpu = load(d, kv_cache_tokens=16 * 512, tokenizer=False)
-    gpu = load(d, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
-               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
+    cpu, gpu, bf16 = load_cpu_gpu_bf16(d, gpu_target, d / "bundle", num_state_slots=64)
     assert "moe_experts_nvfp4" in [n.op for n in gpu.graph.nodes.values()]
-    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
-                       num_state_slots=64)
     return request.param, d, gpu, bf16
 
 

@@ -15,9 +15,7 @@ import pytest
 from kiln.bench.make_random_model import make_random_model
 from kiln.bench.workloads import decode_weight_bytes
 from kiln.graph import DType, to_numpy
-from kiln.loader import build_graph, load
-from kiln.runtime.worker.cpu_executor import CpuExecutor
-from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel
+from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, load_cpu_gpu_bf16
 
 CASES = [("tiny-llama", "fp8"), ("tiny-llama", "nvfp4"), ("tiny-llama-k", "q4k"), ("tiny-qwen3.6", "fp8"),
          ("tiny-qwen3.6", "nvfp4"), ("tiny-qwen3.6-moe", "fp8"), ("tiny-qwen3.6-moe", "nvfp4"),
@@ -29,11 +27,7 @@ def model(request, tmp_path_factory, gpu_target):
     shape, fmt = request.param
     d = tmp_path_factory.mktemp(f"{shape}_{fmt}")
     path = make_random_model(shape, d / "ckpt", fmt=fmt)
-    cpu = load(path, kv_cache_tokens=16 * 512, tokenizer=False, max_num_seqs=32)
-    gpu = load(path, target=gpu_target, kv_cache_tokens=16 * 512, tokenizer=False, max_model_len=512,
-               max_num_seqs=32, max_num_batched_tokens=256, bundle_dir=str(d / "bundle"))
-    bf16 = CpuExecutor(build_graph(cpu.source.config, target=gpu_target), cpu.source.weights.get, num_blocks=512,
-                       num_state_slots=33)
+    cpu, gpu, bf16 = load_cpu_gpu_bf16(path, gpu_target, d / "bundle", num_state_slots=33, max_num_seqs=32)
     return f"{shape}-{fmt}", cpu, gpu, bf16
 
 
