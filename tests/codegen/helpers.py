@@ -45,3 +45,38 @@ def require_interpreter():
 
     if not interpreting():
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run `pytest tests/codegen`")
+
+
+_MMA_PROBE_HEAD = """
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.codegen.triton.launch import kernel_fn
+"""
+_MMA_PROBE_TAIL = """
+out = {}
+for key, cc, spec in specs():
+    src = ASTSource(kernel_fn(spec), spec.full_signature(), spec.all_constexprs(), {})
+    ptx = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ptx"]
+    out[key] = sorted(set(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", ptx)))
+print(json.dumps(out))
+"""
+
+
+def mma_instructions(setup: str, timeout: int = 600) -> dict[str, list[str]]:
+    """The tensor-core instructions (wgmma.mma_async / mma.sync, each form once) in the PTX of kernels
+    compiled, not interpreted, in a fresh process (TRITON_INTERPRET unset there). setup: Python source
+    that imports what it needs and defines specs(), yielding (key, compute capability, kernel spec).
+    -> key -> its sorted instructions."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    r = subprocess.run([sys.executable, "-c", _MMA_PROBE_HEAD + setup + _MMA_PROBE_TAIL], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

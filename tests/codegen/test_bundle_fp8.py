@@ -5,10 +5,6 @@ tile is e4m3 wgmma, the one instruction for every bucket (codegen/triton/fp8_gem
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -18,6 +14,7 @@ from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
+from tests.codegen.helpers import mma_instructions
 from tests.fp8_checkpoints import BLOCK_CONFIG, MODELOPT_CONFIG
 from tests.tiny_models import BASE
 
@@ -48,31 +45,19 @@ def test_every_bucket_of_an_fp8_model_compiles(arch, qc, target):
     assert weights[f"model.layers.0.mlp.down_proj.{scale}"][0] == "f32"
 
 
-_PTX_PROBE = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_PTX_SPECS = """
 from kiln.codegen.triton.fp8_gemm import fp8_gemm_spec, fp8_tile
-from kiln.codegen.triton.launch import kernel_fn
-out = {}
-for m in (1, 16, 64, 2048):
-    for groups, block in ((32, (128, 128)), (1, (1, 4096))):
-        spec = fp8_gemm_spec(m, 4096, 4096, groups, block, tile=fp8_tile(m, "sm_90"), arch="sm_90")
-        src = ASTSource(kernel_fn(spec), spec.full_signature(), spec.all_constexprs(), {})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ptx"]
-        out[f"{m}/{groups}"] = sorted(set(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", ptx)))
-print(json.dumps(out))
+def specs():
+    for m in (1, 16, 64, 2048):
+        for groups, block in ((32, (128, 128)), (1, (1, 4096))):
+            yield f"{m}/{groups}", 90, fp8_gemm_spec(m, 4096, 4096, groups, block, tile=fp8_tile(m, "sm_90"),
+                                                     arch="sm_90")
 """
 
 
 def test_sm_90_fp8_gemm_is_e4m3_wgmma_in_every_bucket():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
+    found = mma_instructions(_PTX_SPECS)
     for key, instrs in found.items():
         assert instrs and all(i.startswith("wgmma.mma_async") and ".e4m3.e4m3" in i for i in instrs), (key, instrs)
 

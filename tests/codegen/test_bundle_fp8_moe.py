@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -20,6 +17,7 @@ from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
+from tests.codegen.helpers import mma_instructions
 from tests.fp8_checkpoints import BLOCK_CONFIG
 from tests.tiny_models import BASE, HYBRID_BASE
 
@@ -88,33 +86,20 @@ def test_every_bucket_of_an_nvfp4_moe_model_compiles(target):
     print(f"Qwen3MoeForCausalLM NVFP4 {target}: {len(b.kernels)} cubins")
 
 
-_PTX_PROBE = """
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kiln.codegen.triton.launch import kernel_fn
+_PTX_SPECS = """
 from kiln.codegen.triton.moe import moe_experts_specs
 from kiln.codegen.triton.moe_gemm import Fp8Experts
-out = {}
-for t in (1, 8, 512):
-    for spec in moe_experts_specs(t, 8, 256, 2048, 512, fp8=Fp8Experts((128, 128), 1e-10 / 448, "sm_90")):
-        if spec.kernel not in ("moe_gate_up_kernel", "moe_down_kernel"):
-            continue
-        src = ASTSource(kernel_fn(spec), spec.full_signature(), spec.all_constexprs(), {})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ptx"]
-        out[f"{t}/{spec.kernel}"] = sorted(set(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", ptx)))
-print(json.dumps(out))
+def specs():
+    for t in (1, 8, 512):
+        for spec in moe_experts_specs(t, 8, 256, 2048, 512, fp8=Fp8Experts((128, 128), 1e-10 / 448, "sm_90")):
+            if spec.kernel in ("moe_gate_up_kernel", "moe_down_kernel"):
+                yield f"{t}/{spec.kernel}", 90, spec
 """
 
 
 def test_sm_90_fp8_expert_gemms_are_e4m3_wgmma_in_every_bucket():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
+    found = mma_instructions(_PTX_SPECS, timeout=900)
     assert len(found) == 6
     for key, instrs in found.items():
         assert instrs and all(i.startswith("wgmma.mma_async") and ".e4m3.e4m3" in i for i in instrs), (key, instrs)

@@ -19,6 +19,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.gguf_quant import SUFFIX, GgufConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
+from tests.codegen.helpers import mma_instructions
 
 pytestmark = pytest.mark.slow
 
@@ -82,21 +83,11 @@ def test_a_gguf_moe_model_compiles_for_sm_90():
         ["u8", [4, 512, row_bytes("Q4_K", 256)]]
 
 
-_PTX_PROBE = """
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_PTX_SPECS = """
 from kiln.codegen.triton.gguf_gemm import gguf_gemm_spec, gguf_tile
-from kiln.codegen.triton.launch import kernel_fn
-out = {}
-for m in (1, 64, 2048):
-    spec = gguf_gemm_spec(m, 4096, 4096, "Q4_K", tile=gguf_tile(m, "sm_90"))
-    src = ASTSource(kernel_fn(spec), spec.full_signature(), spec.all_constexprs(), {})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ptx"]
-    out[m] = sorted(set(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", ptx)))
-print(json.dumps(out))
+def specs():
+    for m in (1, 64, 2048):
+        yield str(m), 90, gguf_gemm_spec(m, 4096, 4096, "Q4_K", tile=gguf_tile(m, "sm_90"))
 """
 
 
@@ -104,15 +95,7 @@ def test_sm_90_gguf_gemm_runs_the_bf16_gemms_instructions():
     """The dequantised tile goes through the bf16 GEMM's instructions: mma.sync for the decode tiles,
     wgmma for 64+ rows, bf16 operands, f32 accumulators (the pair gemm.py measured to give
     identical rows on the H200, which the GGUF kernel's invariance rests on)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
+    found = mma_instructions(_PTX_SPECS)
     assert found["1"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]
     assert all(i.startswith("wgmma.mma_async") and i.endswith(".f32.bf16.bf16") for m in ("64", "2048")
                for i in found[m]) and found["64"] and found["2048"]

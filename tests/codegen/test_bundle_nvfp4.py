@@ -7,10 +7,6 @@ so every tile there is bf16 mma.sync. Native FP4 MMA (tl.dot_scaled on sm_121a) 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -20,6 +16,7 @@ from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
+from tests.codegen.helpers import mma_instructions
 from tests.nvfp4_checkpoints import HF_QUANT_CONFIG
 from tests.tiny_models import BASE
 
@@ -47,31 +44,18 @@ def test_every_bucket_of_an_nvfp4_model_compiles(arch, target):
     print(f"{arch} {target}: {len(b.kernels)} cubins, {nv} of them nvfp4_gemm_kernel")
 
 
-_PTX_PROBE = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_PTX_SPECS = """
 from kiln.codegen.triton.nvfp4_gemm import nvfp4_gemm_spec, nvfp4_tile
-from kiln.codegen.triton.launch import kernel_fn
-out = {}
-for arch, cc in (("sm_90", 90), ("sm_121", 121)):
-    for m in (1, 64, 2048):
-        spec = nvfp4_gemm_spec(m, 4096, 4096, tile=nvfp4_tile(m, arch))
-        src = ASTSource(kernel_fn(spec), spec.full_signature(), spec.all_constexprs(), {})
-        ptx = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ptx"]
-        out[f"{arch}/{m}"] = sorted(set(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", ptx)))
-print(json.dumps(out))
+def specs():
+    for arch, cc in (("sm_90", 90), ("sm_121", 121)):
+        for m in (1, 64, 2048):
+            yield f"{arch}/{m}", cc, nvfp4_gemm_spec(m, 4096, 4096, tile=nvfp4_tile(m, arch))
 """
 
 
 def test_nvfp4_gemm_is_bf16_tensor_core_math():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    r = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    found = json.loads(r.stdout.strip().splitlines()[-1])
+    found = mma_instructions(_PTX_SPECS)
     for key, instrs in found.items():
         assert instrs and all(".bf16" in i for i in instrs), (key, instrs)
         if key.startswith("sm_90/") and not key.endswith("/1"):
