@@ -80,3 +80,17 @@ def mma_instructions(setup: str, timeout: int = 600) -> dict[str, list[str]]:
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def compile_small_bundle(graph, cfg, target: str):
+    """`graph` (of ModelConfig `cfg`) compiled for `target` at the bundle tests' sizes: max_model_len
+    256, 8 sequences, a 64-token batch, 16-token blocks; every kernel an ELF cubin.
+    -> (the bundle, its manifest's kernels, its manifest's plans)."""
+    import dataclasses
+
+    from kiln.codegen.compile import compile_bundle
+
+    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
+                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    return b, b.manifest["kernels"], b.manifest["plans"]

@@ -4,17 +4,15 @@ e4m3 weights with their f32 scales in the manifest. And on sm_90 the FP8 GEMM of
 tile is e4m3 wgmma, the one instruction for every bucket (codegen/triton/fp8_gemm.py)."""
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import pytest
 
-from kiln.codegen.compile import compile_bundle
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
-from tests.codegen.helpers import mma_instructions
+from tests.codegen.helpers import compile_small_bundle, mma_instructions
 from tests.fp8_checkpoints import BLOCK_CONFIG, MODELOPT_CONFIG
 from tests.tiny_models import BASE
 
@@ -28,11 +26,8 @@ pytestmark = pytest.mark.slow
 def test_every_bucket_of_an_fp8_model_compiles(arch, qc, target):
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": [arch], "quantization_config": qc})
     graph = run_pipeline(get_graph_builder(arch)(cfg, dtype=DType.bf16))
-    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
-                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
-    meta, plans = b.manifest["kernels"], b.manifest["plans"]
+    b, meta, plans = compile_small_bundle(graph, cfg, target)
     assert set(plans) == {"d1x1", "d2x2", "d4x4", "d8x8", "m16x8", "m32x8", "m64x8"}
-    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
     layers = cfg.num_hidden_layers
     for p in plans.values():
         names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
@@ -93,10 +88,7 @@ def test_every_bucket_of_an_fp8_hybrid_compiles(target):
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
     n_fp8 = [n.op for n in graph.nodes.values()].count("linear_fp8")
     assert n_fp8 == 3 * 3 + 4 + 4 * 3  # GDN in_proj_qkv, in_proj_z, out_proj; q/k/v/o; the MLPs
-    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
-                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
-    meta, plans = b.manifest["kernels"], b.manifest["plans"]
-    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    b, meta, plans = compile_small_bundle(graph, cfg, target)
     for p in plans.values():
         names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
         assert names["fp8_gemm_kernel"] == n_fp8, p["bucket"]

@@ -6,18 +6,16 @@ expert GEMM is e4m3 wgmma, decode form included (codegen/triton/moe_gemm.py: a t
 same bits in every form)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import Counter
 
 import pytest
 
-from kiln.codegen.compile import compile_bundle
 from kiln.graph import DType
 from kiln.models.config import ModelConfig
 from kiln.models.registry import get_graph_builder
 from kiln.passes.pipeline import run_pipeline
-from tests.codegen.helpers import mma_instructions
+from tests.codegen.helpers import compile_small_bundle, mma_instructions
 from tests.fp8_checkpoints import BLOCK_CONFIG
 from tests.tiny_models import BASE, HYBRID_BASE
 
@@ -46,10 +44,7 @@ def test_every_bucket_of_an_fp8_moe_model_compiles(kind, target):
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.layer_is_moe(i)]
     assert [n.op for n in graph.nodes.values()].count("moe_experts_fp8") == len(moe)
-    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
-                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
-    meta, plans = b.manifest["kernels"], b.manifest["plans"]
-    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
+    b, meta, plans = compile_small_bundle(graph, cfg, target)
     for p in plans.values():
         names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
         assert names["moe_gate_up_kernel"] == names["moe_down_kernel"] == len(moe), p["bucket"]
@@ -73,11 +68,8 @@ def test_every_bucket_of_an_nvfp4_moe_model_compiles(target):
                                                             "group_size": 16, "exclude_modules": ["lm_head"]}})
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16))
     assert [n.op for n in graph.nodes.values()].count("moe_experts_nvfp4") == 1
-    b = compile_bundle(graph, target=target, model_config=dataclasses.asdict(cfg), config_hash=cfg.compute_hash(),
-                       max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
-    meta = b.manifest["kernels"]
-    assert all(blob[:4] == b"\x7fELF" for blob in b.kernels.values())
-    for p in b.manifest["plans"].values():
+    b, meta, plans = compile_small_bundle(graph, cfg, target)
+    for p in plans.values():
         names = Counter(meta[key]["name"] for key, _, _ in p["launches"])
         assert names["moe_gate_up_kernel"] == names["moe_down_kernel"] == 1, p["bucket"]
     weights = b.manifest["weights"]
