@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.codegen.helpers import BF16, f32
+from tests.codegen.helpers import BF16, FP8, f32
 
 torch = pytest.importorskip("torch")
 
@@ -24,9 +24,13 @@ def cuda():
 def dev(x: np.ndarray):
     if x.dtype == BF16:
         return torch.from_numpy(f32(x)).to("cuda", torch.bfloat16)
+    if x.dtype == FP8:  # the same bytes, as torch.float8_e4m3fn
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).to("cuda").view(torch.float8_e4m3fn)
     return torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
 
 
 def host(t) -> np.ndarray:
     torch.cuda.synchronize()
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).cpu().numpy().view(FP8)
     return t.float().cpu().numpy().astype(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy()

@@ -25,11 +25,6 @@ E, K, H, I = 64, 8, 512, 256
 BLOCK = (128, 128)
 
 
-def dev8(a: np.ndarray):
-    """An e4m3 host array on the device as torch.float8_e4m3fn (its bytes)."""
-    return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).to("cuda").view(torch.float8_e4m3fn)
-
-
 def run_fp8(xq, xs, ids, w, w13, s13, w2, s2, *, path, arch, e=E, h=H, i=I, k=K):
     t = xq.shape[0]
     tiles = fp8_tiles(moe_tiles(t, k, e, h, i, arch, path), arch)
@@ -38,7 +33,7 @@ def run_fp8(xq, xs, ids, w, w13, s13, w2, s2, *, path, arch, e=E, h=H, i=I, k=K)
     ws = {n: torch.empty(shape, dtype=tdt[d], device="cuda") for n, (shape, d) in need.items()}
     out = torch.empty((t, h), dtype=torch.bfloat16, device="cuda")
     n_rows = torch.tensor([t], dtype=torch.int32, device="cuda")
-    moe_experts(dev8(xq), dev(ids), dev(w), w13, w2, out, path=path, tiles=tiles, n_rows=n_rows, workspace=ws,
+    moe_experts(dev(xq), dev(ids), dev(w), w13, w2, out, path=path, tiles=tiles, n_rows=n_rows, workspace=ws,
                 arch=arch, fp8=(dev(xs), s13, s2), block=BLOCK, min_scale=MIN_SCALE_GROUP)
     return out
 
@@ -57,7 +52,7 @@ def test_fp8_experts_match_the_op_and_a_tokens_bits_its_path_and_batch():
     w13, s13 = _experts(rng, E, 2 * I, H, BLOCK)
     w2, s2 = _experts(rng, E, H, I, BLOCK)
     ids, w = _routing(rng, t, "random", e=E, k=K)
-    d13, ds13, d2, ds2 = dev8(w13), dev(s13), dev8(w2), dev(s2)
+    d13, ds13, d2, ds2 = dev(w13), dev(s13), dev(w2), dev(s2)
     full = host(run_fp8(xq, xs, ids, w, d13, ds13, d2, ds2, path="grouped", arch=arch))
     want = moe_experts_fp8(xq, xs, ids, w, w13, s13, w2, s2, block=BLOCK, out_dtype="bf16",
                            min_scale=MIN_SCALE_GROUP)

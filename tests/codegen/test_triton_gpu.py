@@ -19,35 +19,15 @@ from tests.codegen.helpers import BF16, FP8, assert_close, f32, rand, same_bits
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
+from tests.codegen.gpu_torch import cuda, dev, host  # noqa: E402,F401 (cuda: the autouse skip)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cuda():
-    from kiln.codegen.triton.launch import interpreting
-
-    if interpreting():
-        pytest.skip("triton is in interpreter mode; run with TRITON_INTERPRET=0")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+def allocator(cuda):
     import triton
 
     # the JIT launcher's global scratch (the GEMM's TMA descriptors, built on the device)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-
-
-def dev(x: np.ndarray):
-    if x.dtype == BF16:
-        return torch.from_numpy(f32(x)).to("cuda", torch.bfloat16)
-    if x.dtype == FP8:  # the same bytes
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).to("cuda").view(torch.float8_e4m3fn)
-    return torch.from_numpy(np.ascontiguousarray(x)).to("cuda")
-
-
-def host(t) -> np.ndarray:
-    torch.cuda.synchronize()
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).cpu().numpy().view(FP8)
-    return t.float().cpu().numpy().astype(BF16) if t.dtype == torch.bfloat16 else t.cpu().numpy()
 
 
 TILES = {  # on sm_90: BLOCK_M 16 -> mma.sync; 64 and 128 -> wgmma
