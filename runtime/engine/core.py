@@ -155,7 +155,9 @@ class EngineCore:
         Scheduling the next step (and, in the caller, processing these outputs) overlaps the
         execution of the one submitted before it."""
         q, sched = self._batch_queue, self.scheduler
-        while len(q) < 2 and sched.has_unfinished_requests():
+        # A step that already failed (an inline launch raises at once) stops further launches:
+        # its error is raised below when it reaches the head, and nothing runs after it.
+        while len(q) < 2 and sched.has_unfinished_requests() and not (q and _failed(q[-1][1])):
             so = sched.schedule()
             fut = self._submit(so)
             if so.total_num_scheduled_tokens == 0:
@@ -242,3 +244,8 @@ class EngineCore:
                 "kv_cache_usage": s.kv_cache_manager.usage, "state_usage": s.kv_cache_manager.state_usage,
                 "num_free_blocks": s.kv_cache_manager.block_pool.get_num_free_blocks(),
                 "num_total_blocks": s.kv_cache_config.num_blocks}
+
+
+def _failed(fut: Future) -> bool:
+    """Whether fut is done with an exception (never waits)."""
+    return fut.done() and not fut.cancelled() and fut.exception() is not None

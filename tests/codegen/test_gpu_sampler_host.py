@@ -347,31 +347,33 @@ def test_abort_while_steps_are_in_flight_on_the_device_path(tmp_path):
 def test_a_step_failing_on_the_engine_thread_reaches_the_caller(tmp_path):
     """Async scheduling with a runner that launches ahead runs its steps on the engine's own
     thread: a launch error (the fourth step's) is raised by LLM.generate with its message, no
-    step runs after it, and no worker thread was started."""
+    step runs after it, and no worker thread was started. Prompts from seed 4 launch the failing
+    step into an empty queue (the engine then once went on to launch a fifth); one more set is
+    fresh."""
     pytest.importorskip("torch")
     from kiln import LLM
     from tests.tiny_models import make_tiny_model
 
     make_tiny_model(tmp_path, "llama_gqa_untied")
-    rng = np.random.default_rng()
-    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(2, 20, size=6)]
-    llm = LLM(tmp_path, async_scheduling=True, skip_tokenizer_init=True, max_num_batched_tokens=16,
-              kv_cache_tokens=1024, max_num_seqs=4)
-    _on_host_device(llm)
-    ex, calls = llm.engine.core.runner.executor, []
-    launch = ex.launch_and_sample
+    for rng in (np.random.default_rng(4), np.random.default_rng()):
+        prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(2, 20, size=6)]
+        llm = LLM(tmp_path, async_scheduling=True, skip_tokenizer_init=True, max_num_batched_tokens=16,
+                  kv_cache_tokens=1024, max_num_seqs=4)
+        _on_host_device(llm)
+        ex, calls = llm.engine.core.runner.executor, []
+        launch = ex.launch_and_sample
 
-    def failing(*args, **kw):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("device lost")
-        return launch(*args, **kw)
+        def failing(*args, **kw):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("device lost")
+            return launch(*args, **kw)
 
-    ex.launch_and_sample = failing
-    with pytest.raises(RuntimeError, match="device lost"):
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert len(calls) == 4, "steps ran on after the failure"
-    assert llm.engine.core._worker is None
+        ex.launch_and_sample = failing
+        with pytest.raises(RuntimeError, match="device lost"):
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert len(calls) == 4, "steps ran on after the failure"
+        assert llm.engine.core._worker is None
 
 
 def test_a_thread_that_steps_the_engine_binds_the_device_context_first(tmp_path):
