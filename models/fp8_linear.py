@@ -32,7 +32,7 @@ def project(g: Graph, quant: Fp8Config | None, x: Tensor, specs: list[LinearSpec
     if quant is not None and quant.weight == "nvfp4":  # W4A16, no activation quantisation
         return project_nvfp4(g, quant, x, specs, n_in, dtype, bias)
     fp8 = [s for s in specs if quant is not None and quant.quantizes(s[0])]
-    xq = _quantize(g, quant, x, [p for p, _, _ in fp8], n_in, quant_name) if fp8 else None
+    xq = quantize_input(g, quant, x, [p for p, _, _ in fp8], n_in, quant_name) if fp8 else None
     outs = []
     for prefix, n_out, name in specs:
         on = xq is not None and (prefix, n_out, name) in fp8
@@ -46,7 +46,9 @@ def project(g: Graph, quant: Fp8Config | None, x: Tensor, specs: list[LinearSpec
     return outs
 
 
-def _quantize(g: Graph, quant: Fp8Config, x: Tensor, prefixes: list[str], n_in: int, name: str):
+def quantize_input(g: Graph, quant: Fp8Config, x: Tensor, prefixes: list[str], n_in: int, name: str):
+    """x quantised to e4m3 once for the FP8 linears (or stacked experts) named by prefixes that read it:
+    static (ModelOpt input_scale), per 128-column group (block-wise) or per token (channel-wise)."""
     g.attrs.setdefault("quantization", quant.method)  # models/fp8_weights.py says it in its refusals
     if quant.activation == "static":
         # one [1] f32 input scale per linear; quant_fp8 takes their max (they are equal in ModelOpt's export)

@@ -32,7 +32,7 @@ from kiln.errors import UnsupportedQuantizationError
 from kiln.graph import DType, Graph, Tensor
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_quant import gguf_experts
-from kiln.models.fp8_linear import _quantize, project
+from kiln.models.fp8_linear import project, quantize_input
 from kiln.models.nvfp4_linear import linear_or_nvfp4
 from kiln.models.quant_config import MIN_SCALE_GROUP, Fp8Config
 
@@ -111,7 +111,7 @@ def _fp8_experts(g: Graph, q: Fp8Config, p: str, n: str, x: Tensor, ids: Tensor,
         raise UnsupportedQuantizationError(
             f"block-wise FP8 experts with weight_block_size {list(q.block)} on {p}.mlp.experts, whose hidden size {H} "
             f"and moe_intermediate_size {I} are not multiples of the block, are not supported by kiln")
-    xq = _quantize(g, q, x, [f"{p}.mlp.experts"], H, f"{n}.experts_quant")
+    xq = quantize_input(g, q, x, [f"{p}.mlp.experts"], H, f"{n}.experts_quant")
     w13 = g.weight(f"{p}.{GATE_UP}", DType.fp8e4m3, (E, 2 * I, H))
     s13 = g.weight(f"{p}.{GATE_UP}{SCALE}", DType.f32, (E, 2 * I // bn, H // bk))
     w2 = g.weight(f"{p}.{DOWN}", DType.fp8e4m3, (E, H, I))
