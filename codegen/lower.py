@@ -38,7 +38,7 @@ from kiln.codegen.triton.configs import DEFAULT, Configs
 from kiln.codegen.triton.launch import Buf, KernelSpec, contiguous_strides, dtype_name, recording
 from kiln.graph import Graph, TensorKind, to_numpy
 from kiln.graph.rope import rope_tables
-from kiln.passes.plan_memory import MemoryPlan
+from kiln.passes.plan_memory import ROUTING_WEIGHTS, MemoryPlan
 from kiln.runtime.worker.bundle import REGION_SHIFT  # the bundle format's pointer encoding
 
 ALIGN = 256
@@ -698,6 +698,11 @@ class _Lowerer:
         if tuple(xs.shape) != tuple(ys.shape) or len(gs.shape) != 2 or gs.shape[1] != 1 or xs.dtype != ys.dtype:
             return False
         lo, hi = self.position[node.name], self.position[sm.name]
+        # the routing weights are read by the deferred sum: their bytes must outlive the shared
+        # expert's launches (passes/plan_memory.py ROUTING_WEIGHTS keeps them so)
+        tw = node.inputs[ROUTING_WEIGHTS[node.op]]
+        if self.plan.lifetimes.get(self.plan.aliases.get(tw, tw), (0, hi))[1] < hi:
+            return False
         return not any(self.position[n.name] in range(lo + 1, hi) for n in self.g.nodes.values()
                        if n.op in ("moe_experts", "moe_experts_gguf", "moe_experts_fp8", "moe_experts_nvfp4"))
 

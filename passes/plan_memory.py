@@ -21,6 +21,11 @@ from kiln.graph import Graph, TensorKind
 # outputs that are views of input 0 (the offset of a slice inside its source is the
 # lowering's business: plan offsets of views are their owner's)
 ALIAS_OPS = ("reshape", "slice_cols")
+# MoE experts ops -> the index of their routing-weights input. The lowering may run a layer's
+# rank-order sum later, in the launch of the shared expert's sigmoid_mul that feeds the add of the
+# layer's output (codegen/lower.py _defer_moe_sum), which reads the routing weights there: they live
+# until the layer's output is last read, so nothing the shared expert writes meanwhile takes their bytes.
+ROUTING_WEIGHTS = {"moe_experts": 2, "moe_experts_gguf": 2, "moe_experts_fp8": 3, "moe_experts_nvfp4": 2}
 
 
 @dataclass
@@ -58,6 +63,11 @@ def plan_memory(graph: Graph, dims: Mapping[str, int], alignment: int = 256) -> 
             if t and owner(t) in life:
                 life[owner(t)][1] = max(life[owner(t)][1], i)
     end = len(order)
+    for i, node in enumerate(order):
+        w = ROUTING_WEIGHTS.get(node.op)
+        if w is not None and owner(node.inputs[w]) in life and owner(node.outputs[0]) in life:
+            tw = life[owner(node.inputs[w])]
+            tw[1] = max(tw[1], life[owner(node.outputs[0])][1])
     for t in graph.outputs:  # read back after the step
         if owner(t) in life:
             life[owner(t)][1] = end
