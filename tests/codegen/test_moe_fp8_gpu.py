@@ -14,7 +14,7 @@ import pytest
 from kiln.codegen.triton.moe import fp8_tiles, moe_experts, moe_tiles, moe_workspace
 from kiln.graph.fp8_ops import moe_experts_fp8, quantize_fp8
 from kiln.models.quant_config import MIN_SCALE_GROUP
-from tests.codegen.helpers import BF16, assert_close, f32, rand, same_bits
+from tests.codegen.helpers import BF16, f32, rand, same_bits
 from tests.codegen.test_moe_fp8_kernels import _experts, _routing
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,16 @@ def test_fp8_experts_match_the_op_and_a_tokens_bits_its_path_and_batch():
     full = host(run_fp8(xq, xs, ids, w, d13, ds13, d2, ds2, path="grouped", arch=arch))
     want = moe_experts_fp8(xq, xs, ids, w, w13, s13, w2, s2, block=BLOCK, out_dtype="bf16",
                            min_scale=MIN_SCALE_GROUP)
-    assert_close(f32(full), f32(want), rtol=2e-2, what="grouped FP8 experts")
+    # The kernels' bf16 SiLU-and-mul intermediate may land one bf16 step from the op's (another f32
+    # order in gate_up), and where that is an e4m3 rounding boundary down's in-loop quantisation moves
+    # the element a whole e4m3 step, shifting its token's row (tests/codegen/test_lowering_fp8.py's
+    # docstring): on the H100, 1 of 153,600 outputs went 1.3x past the bound. So: at most 1e-4 of the
+    # outputs past 2e-2 of the largest, none past twice that. A wrong scale or block moves most of them.
+    g, e = f32(full), f32(want)
+    assert np.isfinite(g).all()
+    err, bound = np.abs(g - e), 2e-2 * float(np.abs(e).max())
+    assert (err > bound).mean() <= 1e-4 and err.max() <= 2 * bound, \
+        f"grouped FP8 experts: {int((err > bound).sum())} of {err.size} past {bound:.3g}, worst {err.max():.3g}"
     for j in (0, 1, 150, 299):
         for path in ("decode", "decode_token"):
             one = host(run_fp8(xq[j:j + 1], xs[j:j + 1], ids[j:j + 1], w[j:j + 1], d13, ds13, d2, ds2, path=path,

@@ -36,7 +36,7 @@ def nvfp4(request, tmp_path_factory, gpu_target):
 
 def test_nvfp4_logits_match_the_bf16_numpy_executor(nvfp4):
     name, _, gpu, bf16 = nvfp4
-    prompts = _prompts(8, seed=1)
+    prompts = [p[:30] for p in _prompts(8, seed=1)]  # one step: within the bundle's 256-token budget
     got = _last_logits(gpu.executor, prompts)
     want = _last_logits(bf16, prompts)
     assert np.isfinite(got).all(), name
