@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.runtime.core.kv_cache_spec import GDN_CHUNK_ALIGN
+
 from tests.gpu.test_gpu_fp8 import _last_logits, _prompts, _rel, check_greedy_alone_batched_chunked, load_cpu_gpu_bf16
 from tests.test_nvfp4_moe import make_nvfp4_moe_checkpoint
 
@@ -42,4 +44,7 @@ def test_nvfp4_moe_logits_match_the_bf16_numpy_executor(nvfp4_moe):
 
 def test_nvfp4_moe_greedy_alone_batched_chunked(nvfp4_moe, gpu_target):
     name, d, _, _ = nvfp4_moe
-    check_greedy_alone_batched_chunked(name, d, gpu_target, small_bundle="bundle32", enable_prefix_caching=False)
+    # the hybrid at the GDN window (test_gpu_fp8.py docstring: a chunk cut inside one is not bit-exact)
+    budget = GDN_CHUNK_ALIGN if name.startswith("qwen3_5") else 32
+    check_greedy_alone_batched_chunked(name, d, gpu_target, budget=budget, small_bundle="bundle32",
+                                       enable_prefix_caching=False)
