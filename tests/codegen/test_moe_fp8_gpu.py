@@ -99,4 +99,4 @@ def test_fp8_decode_bandwidth_at_the_35b_a3b_shape():
     us = start.elapsed_time(end) / 50 * 1e3
     nbytes = k * (3 * i * h + 4 * ((2 * i // 128) * (h // 128) + (h // 128) * (i // 128)))
     print(f"\nFP8 experts decode, batch 1, E {e} k {k} H {h} I {i}: {us:.1f} us a layer (with the wrapper's "
-          f"host work), {nbytes / us / 1e3:.2f} TB/s of expert bytes")
+          f"host work), {nbytes / us / 1e3:.1f} GB/s of expert bytes")
