@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device-machine driver (copied into the snapshot by bench/device/prep.sh). Usage:
 #   bash bench/device/run.sh MODE [args]   with KILN_COMMIT set by the caller
-# MODE: tests (TESTS, TESTS_T) | shape SHAPE [extra gpu_shape_decode args] | tune SHAPE KERNELS | bench SHAPE [WORKLOADS]
+# MODE: tests (TESTS, TESTS_T) | shape SHAPE [extra gpu_shape_decode args] | tune SHAPE KERNELS |
+#       bench SHAPE [WORKLOADS] (FORMAT, BENCH_ARGS e.g. "--peers hf-eager hf-compile", BENCH_T) | cmd TAG "command"
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -26,10 +27,16 @@ cmd)
   shift
   timeout ${CMD_T:-540} bash -c "$*" 2>&1 | tee $OUT/t/cmd_$tag.log | tail -60 ;;
 bench)
-  s=$1; w=${2:-decode}
-  python3 bench/make_random_model.py --shape $s --out /tmp/m_$s --spill-dir /dev/shm/m_$s --keep-gb 40 2>&1 | tail -3
+  # FORMAT (bf16 default | fp8 | nvfp4 | q4k): the random checkpoint's format; records are named
+  # <gpu>_<shape>_[<format>_]<workload>_<commit>.json as issues 38 and 40 ask, <gpu> from the card
+  s=$1; w=${2:-decode}; f=${FORMAT:-bf16}; m=/tmp/m_${s}_$f
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr H h); gpu=${gpu:-gpu}
+  tagf=$([ "$f" = bf16 ] && [ -z "$FORMAT" ] && echo "" || echo "${f}_")
+  pure=$([ "$f" = q4k ] && echo --pure)  # issue 40: every linear Q4_K (llama-quantize --pure)
+  [ -d $m ] || python3 bench/make_random_model.py --shape $s --format $f $pure --out $m --spill-dir /dev/shm/m_${s}_$f --keep-gb 40 2>&1 | tail -3
+  model=$m; [ "$f" = q4k ] && model=$m/$s-Q4_K.gguf
   for x in ${w//,/ }; do
-    timeout ${BENCH_T:-400} python3 build.py bench --workload $x --model /tmp/m_$s --target sm_90 --max-num-seqs 16 --json $OUT/t/h200_${s}_${x}_${KILN_COMMIT}.json 2>&1 | tail -30
+    timeout ${BENCH_T:-400} python3 build.py bench --workload $x --model $model --target sm_90 --max-num-seqs 16 $BENCH_ARGS --json $OUT/t/${gpu}_${s}_${tagf}${x}_${KILN_COMMIT}.json 2>&1 | tail -30
   done ;;
 esac
 cd $OUT && tar czf t_${mode}_${tag}_$(date +%H%M%S).tgz t && rm -rf t
