@@ -37,6 +37,21 @@ def _moe_model():
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
 
 
+def _prefill_then_decode(run):
+    """Three prompts (one of 140 tokens) prefilled in the mixed bucket, then a decode step of each's next
+    token: -> [(the plan's logits, the numpy executor's)] of both steps."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 140, 70)]
+    blocks = [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
+    chunks = [SeqChunk(p, 0, b, state_slot=i + 1) for i, (p, b) in enumerate(zip(prompts, blocks))]
+    steps = [run.step(MIXED, chunks)]
+    nxt = steps[0][1].argmax(-1)
+    chunks = [SeqChunk([int(t)], len(p), b, state_slot=i + 1)
+              for i, (t, p, b) in enumerate(zip(nxt, prompts, blocks))]
+    steps.append(run.step(DECODE, chunks))
+    return steps
+
+
 def test_moe_plan_matches_numpy():
     cfg, graph, weights = _moe_model()
     assert moe_path(MIXED.tokens, TOP_K) == "grouped" and moe_path(DECODE.tokens, TOP_K) == "decode"
@@ -56,15 +71,7 @@ def test_moe_plan_matches_numpy():
         assert not any(spec.constexprs.get("GATE_PER_HEAD") for spec, _ in run.lowered[bucket]
                        if spec.kernel == "sigmoid_mul_kernel"), bucket
     assert all(spec.constexprs.get("SPLIT") for spec, _ in run.lowered[DECODE] if spec.kernel == "moe_down_kernel")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 140, 70)]
-    blocks = [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
-    chunks = [SeqChunk(p, 0, b, state_slot=i + 1) for i, (p, b) in enumerate(zip(prompts, blocks))]
-    steps = [run.step(MIXED, chunks)]
-    nxt = steps[0][1].argmax(-1)
-    chunks = [SeqChunk([int(t)], len(p), b, state_slot=i + 1)
-              for i, (t, p, b) in enumerate(zip(nxt, prompts, blocks))]
-    steps.append(run.step(DECODE, chunks))
+    steps = _prefill_then_decode(run)
     for got, want in steps:
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
@@ -129,15 +136,7 @@ def test_quantised_moe_hybrid_plan_matches_numpy(fmt):
     cfg, graph, weights = _quantised_moe_model(fmt)
     assert [n.op for n in graph.nodes.values()].count(f"moe_experts_{fmt}") == cfg.num_hidden_layers
     run = _HybridPlan(cfg, graph, weights)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 140, 70)]
-    blocks = [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
-    chunks = [SeqChunk(p, 0, b, state_slot=i + 1) for i, (p, b) in enumerate(zip(prompts, blocks))]
-    steps = [run.step(MIXED, chunks)]
-    nxt = steps[0][1].argmax(-1)
-    chunks = [SeqChunk([int(t)], len(p), b, state_slot=i + 1)
-              for i, (t, p, b) in enumerate(zip(nxt, prompts, blocks))]
-    steps.append(run.step(DECODE, chunks))
+    steps = _prefill_then_decode(run)
     tol = 0.1 if fmt == "fp8" else 2e-2
     for got, want in steps:
         assert np.isfinite(got).all()

@@ -27,8 +27,9 @@ E, K, H, I = 64, 8, 512, 256
 
 
 
-def run_experts(x, ids, w, w13, w2, *, path, tiles=None):
-    """moe_experts on device buffers; x, ids, w: host arrays; w13, w2: device tensors."""
+def run_experts(x, ids, w, w13, w2, *, path, tiles=None, **quant):
+    """moe_experts on device buffers; x, ids, w: host arrays; w13, w2: device tensors; quant: the
+    quantised experts' extra operands (nvfp4=(s13, g13, s2, g2), device tensors)."""
     t = x.shape[0]
     tiles = tiles or moe_tiles(t, K, E, H, I, path=path)
     need = moe_workspace(t, K, E, H, I, "bfloat16", path=path, block_m=tiles[0].block_m)
@@ -36,7 +37,8 @@ def run_experts(x, ids, w, w13, w2, *, path, tiles=None):
     ws = {n: torch.empty(shape, dtype=tdt[d], device="cuda") for n, (shape, d) in need.items()}
     out = torch.empty((t, H), dtype=torch.bfloat16, device="cuda")
     n_rows = torch.tensor([t], dtype=torch.int32, device="cuda")
-    moe_experts(dev(x), dev(ids), dev(w), w13, w2, out, path=path, tiles=tiles, n_rows=n_rows, workspace=ws)
+    moe_experts(dev(x), dev(ids), dev(w), w13, w2, out, path=path, tiles=tiles, n_rows=n_rows, workspace=ws,
+                **quant)
     return host(out)
 
 

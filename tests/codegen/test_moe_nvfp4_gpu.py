@@ -11,31 +11,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.codegen.triton.moe import moe_experts, moe_tiles, moe_workspace
 from kiln.codegen.triton.moe_gemm import MoeTile
 from kiln.graph.nvfp4_ops import moe_experts_nvfp4
 from tests.codegen.helpers import assert_close, f32, rand, same_bits
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
-from tests.codegen.gpu_torch import cuda, dev, host  # noqa: E402,F401 (cuda: the autouse skip)
-
-E, K, H, I = 64, 8, 512, 256
+from tests.codegen.gpu_torch import cuda, dev  # noqa: E402,F401 (cuda: the autouse skip)
+from tests.codegen.test_moe_gpu import E, H, I, K, run_experts  # noqa: E402
 
 
 def _run(x, ids, w, ex, *, path, tiles=None):
-    """moe_experts on device buffers; x, ids, w: host arrays; ex: the device experts."""
+    """test_moe_gpu.run_experts on the device experts ex = (w13, s13, g13, w2, s2, g2)."""
     w13, s13, g13, w2, s2, g2 = ex
-    t = x.shape[0]
-    tiles = tiles or moe_tiles(t, K, E, H, I, path=path)
-    need = moe_workspace(t, K, E, H, I, "bfloat16", path=path, block_m=tiles[0].block_m)
-    tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32}
-    ws = {n: torch.empty(shape, dtype=tdt[d], device="cuda") for n, (shape, d) in need.items()}
-    out = torch.empty((t, H), dtype=torch.bfloat16, device="cuda")
-    n_rows = torch.tensor([t], dtype=torch.int32, device="cuda")
-    moe_experts(dev(x), dev(ids), dev(w), w13, w2, out, path=path, tiles=tiles, n_rows=n_rows, workspace=ws,
-                nvfp4=(s13, g13, s2, g2))
-    return host(out)
+    return run_experts(x, ids, w, w13, w2, path=path, tiles=tiles, nvfp4=(s13, g13, s2, g2))
 
 
 def test_nvfp4_experts_match_the_op_and_a_tokens_bits_its_path_batch_and_tiles():
