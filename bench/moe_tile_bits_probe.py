@@ -28,6 +28,16 @@ TILES = [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 64, 128, 4), (1
          (64, 64, 64, 8), (16, 32, 64, 2)]
 
 
+def _diff(out, ref) -> str:
+    """'=' for the same bits, else how many elements differ and by how much at most (relative to the
+    row's largest magnitude): a last-bit change or a wrong tile."""
+    if same_bits(out, ref):
+        return "="
+    o, r = out.astype(np.float32), ref.astype(np.float32)
+    rel = np.abs(o - r).max() / max(float(np.abs(r).max()), 1e-30)
+    return f"{int((out != ref).sum())} differ (max {rel:.1e})"
+
+
 def main() -> None:
     rng = np.random.default_rng(2)
     t = 300
@@ -46,10 +56,9 @@ def main() -> None:
             tile = MoeTile(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
             out = fn(path="grouped", tiles=(tile, tile))
             ref = out if ref is None else ref
-            res.append(f"{bm}x{bn}x{bk}w{nw}:" + ("=" if same_bits(out, ref) else f"{int((out != ref).sum())} differ"))
+            res.append(f"{bm}x{bn}x{bk}w{nw}:" + _diff(out, ref))
         for path in ("decode", "decode_token"):
-            out = fn(path=path)
-            res.append(f"{path}:" + ("=" if same_bits(out, ref) else f"{int((out != ref).sum())} differ"))
+            res.append(f"{path}:" + _diff(fn(path=path), ref))
         print(name, "  ".join(res), flush=True)
 
 
