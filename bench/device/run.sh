@@ -35,8 +35,9 @@ bench)
   pure=$([ "$f" = q4k ] && echo --pure)  # issue 40: every linear Q4_K (llama-quantize --pure)
   [ -d $m ] || python3 bench/make_random_model.py --shape $s --format $f $pure --out $m --spill-dir /dev/shm/m_${s}_$f --keep-gb 40 2>&1 | tail -3
   model=$m; [ "$f" = q4k ] && model=$m/$s-Q4_K.gguf
+  sn=${s/llama-3.1-8b/llama8b}  # issue 40's <shape> name for the 8B records
   for x in ${w//,/ }; do
-    timeout ${BENCH_T:-400} python3 build.py bench --workload $x --model $model --target sm_90 --max-num-seqs 16 $BENCH_ARGS --json $OUT/t/${gpu}_${s}_${tagf}${x}_${KILN_COMMIT}.json 2>&1 | tail -30
+    timeout ${BENCH_T:-400} python3 build.py bench --workload $x --model $model --target sm_90 --max-num-seqs 16 $BENCH_ARGS --json $OUT/t/${gpu}_${sn}_${tagf}${x}_${KILN_COMMIT}.json 2>&1 | tail -30
   done ;;
 esac
 cd $OUT && tar czf t_${mode}_${tag}_$(date +%H%M%S).tgz t && rm -rf t
