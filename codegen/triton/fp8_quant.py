@@ -23,6 +23,10 @@ groups whose scales are not stored). Programs of tokens >= *n_rows_ptr return at
 norm's crosses a program, and the norm's order is rms_norm.py's (fixed by N), so the output does
 not depend on the bucket.
 
+MoE (add_rms_norm_quant's moe=, as rms_norm.py's): x is a MoE layer's expert rows o [T*k, N],
+and the row added to the residual is their rank-order sum (moe_gemm.py moe_sum_row), the layer's
+moe_sum launch saved.
+
 Shapes: x, residual, gate, up: [T, N] in the model's dtype (row strides free, columns packed);
 w: [N]; q: e4m3 [T, N]; s: f32 [T, N / group] (dynamic) or [T, 1] (static); res_out: [T, N].
 """
@@ -36,6 +40,8 @@ import triton.language as tl
 from kiln.codegen.triton.configs import DEFAULT, Configs, RowConfig
 from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_inner_contiguous, check_shape, dtype_name,
                                         launch, next_pow2, shape_of, sig_type, strides_of)
+from kiln.codegen.triton.moe import moe_sum_operands
+from kiln.codegen.triton.moe_gemm import moe_sum_row
 from kiln.codegen.triton.pdl import pdl_enter, pdl_step_input
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -74,13 +80,17 @@ def _quantize_row(y, cols, mask, q_row, s_row, s_ptr0, s_ptr1, s_ptr2, min_scale
 @triton.jit
 def fp8_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows_ptr, s_ptr0, s_ptr1, s_ptr2,
                      stride_x, stride_r, stride_q, stride_s, stride_o, eps, offset, min_scale,
+                     tw_ptr, sx_ptr, gate_ptr, stride_gt,
                      N: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, GW: tl.constexpr,
                      MODE: tl.constexpr,
-                     N_STATIC: tl.constexpr, PDL: tl.constexpr = False):
+                     N_STATIC: tl.constexpr, PDL: tl.constexpr = False, MOE_TOPK: tl.constexpr = 0,
+                     MOE_SHARED: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     n_rows = pdl_step_input(n_rows_ptr, PDL)  # a step input: read before the wait (pdl.py)
     pdl_enter(PDL)  # before any other global access (pdl.py)
     # grid: (T,). MODE 0: y = x; 1: rms_norm(x, w); 2: rms_norm(x + r, w), x + r to res_out;
     # 3: silu(x) * r (x = gate, r = up). x's element type is the storage dtype.
+    # MOE_TOPK > 0 (MODE 2): x is o [T*k, N], a MoE layer's expert rows, and x's row is their
+    # sum weighted by tw f32[T*k] (+ sx [T, N] * sigmoid(gate [T, 1]) with MOE_SHARED): moe_sum_row.
     t = tl.program_id(0)
     if t >= n_rows:
         return
@@ -88,7 +98,11 @@ def fp8_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows_ptr,
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dt = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + t64 * stride_x + cols, mask=mask, other=0.0)
+    if MOE_TOPK > 0:
+        x = moe_sum_row(x_ptr, tw_ptr, sx_ptr, gate_ptr, stride_gt, t, cols, mask, dt, N, MOE_TOPK, MOE_SHARED,
+                        INTERPRET)
+    else:
+        x = tl.load(x_ptr + t64 * stride_x + cols, mask=mask, other=0.0)
     if MODE == 0:
         y = x.to(tl.float32)
     elif MODE == 3:  # silu_mul.py's formula, rounded as its store rounds
@@ -111,22 +125,27 @@ def fp8_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows_ptr,
 
 
 def fp8_quant_spec(t: int, n: int, group: int, dtype: str = "bfloat16", *, mode: str, n_static: int,
-                   config: RowConfig) -> KernelSpec:
-    """group: columns per scale (ignored when n_static > 0: one scale per token)."""
+                   config: RowConfig, moe_topk: int = 0, moe_shared: str | None = None) -> KernelSpec:
+    """group: columns per scale (ignored when n_static > 0: one scale per token). moe_topk > 0
+    (mode add_rms_norm): x is a MoE layer's expert rows, summed here; moe_shared: the shared
+    expert's gate dtype, its product added too (module docstring)."""
     block = next_pow2(n)  # = next_pow2(groups) * group for a power-of-two group: the norm's BLOCK either way
     groups = 1 if n_static or group == n else n // group
     check(n_static <= 3, "fp8_quant: at most 3 static input scales")
     check(groups == 1 or (n % group == 0 and group & (group - 1) == 0),
           f"fp8_quant: a group ({group}) must be a power of two dividing N ({n}), or N itself")
+    check(not moe_topk or mode == "add_rms_norm", "fp8_quant: a MoE layer's sum goes only into add_rms_norm")
     p = sig_type(dtype)
+    moe = dict(MOE_TOPK=moe_topk, INTERPRET=False, **({"MOE_SHARED": True} if moe_shared else {})) if moe_topk else {}
     return KernelSpec(
         module=__name__, kernel="fp8_quant_kernel",
         signature=dict(x_ptr=p, r_ptr=p, w_ptr=p, q_ptr="*fp8e4nv", s_ptr="*fp32", res_out_ptr=p,
                        n_rows_ptr="*i32", s_ptr0="*fp32", s_ptr1="*fp32", s_ptr2="*fp32",
                        **{s: "i32" for s in ("stride_x", "stride_r", "stride_q", "stride_s", "stride_o")},
-                       eps="fp32", offset="fp32", min_scale="fp32"),
+                       eps="fp32", offset="fp32", min_scale="fp32", tw_ptr="*fp32", sx_ptr=p,
+                       gate_ptr=sig_type(moe_shared) if moe_shared else p, stride_gt="i32"),
         constexprs=dict(N=n, BLOCK=block, GROUPS=groups, GW=block if groups == 1 else group, MODE=MODES[mode],
-                        N_STATIC=n_static),
+                        N_STATIC=n_static, **moe),
         grid=(t,), num_warps=config.num_warps, num_stages=1,
         divisible=("x_ptr", "r_ptr", "w_ptr", "q_ptr", "s_ptr", "res_out_ptr", "n_rows_ptr"))
 
@@ -139,11 +158,19 @@ def _rows(b, name, t=None, n=None):
 
 
 def _run(mode, x, r, w, scales, q, s, res_out, *, group, eps=0.0, offset=0.0, min_scale=0.0, n_rows=None,
-         config=None, configs: Configs = DEFAULT):
+         config=None, configs: Configs = DEFAULT, moe=None):
     x, r, w, q, s, res_out, n_rows = map(as_buf, (x, r, w, q, s, res_out, n_rows))
     scales = [as_buf(v) for v in scales]
-    t, n = shape_of(x)
-    sx = _rows(x, f"{mode}_quant x")
+    moe_args, topk, gate_dt = None, 0, None
+    if moe is not None:  # x: the expert rows o [T*k, N]; r: the residual [T, N]
+        check(mode == "add_rms_norm" and r is not None, "fp8_quant: moe= only with add_rms_norm")
+        t, n = shape_of(r)
+        tw, shared = moe
+        (x, *moe_args), gate_dt = moe_sum_operands(x, tw, t, n, dtype_name(r), shared)
+        topk, sx = shape_of(tw)[1], 0
+    else:
+        t, n = shape_of(x)
+        sx = _rows(x, f"{mode}_quant x")
     check(n % group == 0, f"{mode}_quant: N ({n}) is not a multiple of the group ({group})")
     host = lambda shape, dt: as_buf(np.empty(shape, dtype=dt))  # noqa: E731 (interpreter outputs)
     q = q if q is not None else host((t, n), E4M3)
@@ -152,6 +179,7 @@ def _run(mode, x, r, w, scales, q, s, res_out, *, group, eps=0.0, offset=0.0, mi
     check(dtype_name(q) == "float8_e4m3fn" and shape_of(q) == (t, n), f"{mode}_quant: q must be e4m3 [{t}, {n}]")
     check(dtype_name(s) == "float32" and shape_of(s) == (t, g), f"{mode}_quant: scales must be f32 [{t}, {g}]")
     check_inner_contiguous(s, f"{mode}_quant scales")
+    moe_args = moe_args or [s, x, x, 0]  # placeholders unless x is a MoE layer's rows
     for v in scales:
         check(dtype_name(v) == "float32" and int(np.prod(shape_of(v))) == 1, f"{mode}_quant: a static scale is f32 [1]")
     sr = so = 0
@@ -166,11 +194,12 @@ def _run(mode, x, r, w, scales, q, s, res_out, *, group, eps=0.0, offset=0.0, mi
         check(dtype_name(w) == dtype_name(x), f"{mode}_quant: w dtype differs from x")
     n_rows = n_rows if n_rows is not None else as_buf(np.array([t], dtype=np.int32))
     config = config or configs.row(f"{mode}_quant", n)
-    spec = fp8_quant_spec(t, n, group, dtype_name(x), mode=mode, n_static=len(scales), config=config)
+    spec = fp8_quant_spec(t, n, group, dtype_name(x), mode=mode, n_static=len(scales), config=config,
+                          moe_topk=topk, moe_shared=gate_dt)
     sp = (scales + [s, s, s])[:3]  # unused pointers: any f32 buffer
     launch(spec, [x, r if r is not None else x, w if w is not None else x, q, s,
                   res_out if res_out is not None else x, n_rows, *sp, sx, sr, strides_of(q)[0], strides_of(s)[0], so,
-                  float(eps), float(offset), float(min_scale)])
+                  float(eps), float(offset), float(min_scale), *moe_args])
     unwrap = lambda b: b.array if getattr(b, "on_host", False) else b  # noqa: E731
     return (unwrap(q), unwrap(s), unwrap(res_out)) if mode == "add_rms_norm" else (unwrap(q), unwrap(s))
 
@@ -190,11 +219,13 @@ def rms_norm_quant(x, w, *scales, q=None, s=None, eps: float, offset: float = 0.
 
 
 def add_rms_norm_quant(x, residual, w, *scales, q=None, s=None, res_out=None, eps: float, offset: float = 0.0,
-                       group: int, min_scale: float = 0.0, n_rows=None, config=None, configs: Configs = DEFAULT):
+                       group: int, min_scale: float = 0.0, n_rows=None, config=None, configs: Configs = DEFAULT,
+                       moe=None):
     """-> (e4m3 [T, N], scales, x + residual): add_rms_norm with its normalised row quantised.
-    res_out may be `residual` itself (in place)."""
+    res_out may be `residual` itself (in place). moe: as rms_norm.add_rms_norm's (x the expert rows
+    o [T*k, N], the row added their rank-order sum, moe_sum's launch saved)."""
     return _run("add_rms_norm", x, residual, w, scales, q, s, res_out, group=group, eps=eps, offset=offset,
-                min_scale=min_scale, n_rows=n_rows, config=config, configs=configs)
+                min_scale=min_scale, n_rows=n_rows, config=config, configs=configs, moe=moe)
 
 
 def silu_mul_quant(gate, up, *scales, q=None, s=None, group: int, min_scale: float = 0.0, n_rows=None,

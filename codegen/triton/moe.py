@@ -264,27 +264,39 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
     return _unwrap(out)
 
 
-def moe_sum(o, topk_weights, out, *, n_rows=None, shared=None):
-    """o: [T*k, H] packed (each token's k expert rows, in rank order), topk_weights f32[T, k] ->
-    out [T, H] = sum_j w[t, j] * o[t*k + j] in rank order, rounded (moe_sum_kernel). shared:
-    (x [T, H] packed, gate [T, 1]): out = that sum + x * sigmoid(gate) instead, the graph's
-    sigmoid_mul and add on the shared expert's output (models/moe.py), in this one launch."""
-    o, topk_weights, out, n_rows = map(as_buf, (o, topk_weights, out, n_rows))
-    t, h = shape_of(out)
-    k = shape_of(topk_weights)[1]
-    dt = dtype_name(out)
+def moe_sum_operands(o, topk_weights, t: int, h: int, dt: str, shared=None) -> tuple[list, str | None]:
+    """The checked operands of a rank-order sum into [T, H] rows of dt (moe_sum_row in
+    moe_gemm.py), whichever kernel runs it: o [T*k, H] packed, topk_weights f32[T, k] packed,
+    shared None or (x [T, H] packed, gate [T, 1]) -> ([o, weights, x, gate, gate's row stride],
+    the gate's dtype or None); without shared, x and gate are placeholders (o)."""
+    o, topk_weights = as_buf(o), as_buf(topk_weights)
+    k = shape_of(topk_weights)[1] if len(shape_of(topk_weights)) == 2 else 0
     check(shape_of(o) == (t * k, h) and tuple(strides_of(o)) == (h, 1) and dtype_name(o) == dt,
           f"moe_sum: o must be packed {dt}[{t * k}, {h}]")
     check(shape_of(topk_weights) == (t, k) and dtype_name(topk_weights) == "float32"
           and tuple(strides_of(topk_weights)) == (k, 1), "moe_sum: weights packed f32[T, k]")
+    if shared is None:
+        return [o, topk_weights, o, o, 0], None
+    x, gate = (as_buf(b) for b in shared)
+    check(shape_of(x) == (t, h) and tuple(strides_of(x)) == (h, 1) and dtype_name(x) == dt,
+          f"moe_sum: the shared expert's x must be packed {dt}[{t}, {h}]")
+    check(shape_of(gate) == (t, 1), f"moe_sum: the shared expert's gate must be [{t}, 1]")
+    return [o, topk_weights, x, gate, strides_of(gate)[0]], dtype_name(gate)
+
+
+def moe_sum(o, topk_weights, out, *, n_rows=None, shared=None):
+    """o: [T*k, H] packed (each token's k expert rows, in rank order), topk_weights f32[T, k] ->
+    out [T, H] = sum_j w[t, j] * o[t*k + j] in rank order, rounded (moe_sum_kernel). shared:
+    (x [T, H] packed, gate [T, 1]): out = that sum + x * sigmoid(gate) instead, the graph's
+    sigmoid_mul and add on the shared expert's output (models/moe.py), in this one launch.
+    rms_norm.add_rms_norm(moe=...) and fp8_quant.add_rms_norm_quant(moe=...) compute the same rows
+    inside the next norm's launch instead (lower.py _norm_takes_moe_sum)."""
+    out, n_rows = as_buf(out), as_buf(n_rows)
+    t, h = shape_of(out)
+    dt = dtype_name(out)
+    (o, topk_weights, x, gate, sgt), gate_dt = moe_sum_operands(o, topk_weights, t, h, dt, shared)
     check_inner_contiguous(out, "moe_sum out")
     n_rows = n_rows if n_rows is not None else as_buf(np.array([t], np.int32))
-    x, gate = (as_buf(b) for b in shared) if shared is not None else (o, o)
-    if shared is not None:
-        check(shape_of(x) == (t, h) and tuple(strides_of(x)) == (h, 1) and dtype_name(x) == dt,
-              f"moe_sum: the shared expert's x must be packed {dt}[{t}, {h}]")
-        check(shape_of(gate) == (t, 1), f"moe_sum: the shared expert's gate must be [{t}, 1]")
-    spec = moe_sum_spec(t, k, h, dt, shared=dtype_name(gate) if shared is not None else None)
-    launch(spec, [o, topk_weights, out, n_rows, strides_of(out)[0], x, gate,
-                  strides_of(gate)[0] if shared is not None else 0])
+    spec = moe_sum_spec(t, shape_of(topk_weights)[1], h, dt, shared=gate_dt)
+    launch(spec, [o, topk_weights, out, n_rows, strides_of(out)[0], x, gate, sgt])
     return _unwrap(out)

@@ -339,32 +339,44 @@ def moe_down_kernel(a_ptr, w_ptr, tw_ptr, o_ptr, y_ptr, ids_ptr, sorted_ptr, blo
 
 
 @triton.jit
-def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, x_ptr, gate_ptr, stride_gt,
-                   H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                   PDL: tl.constexpr = False, SHARED: tl.constexpr = False):
-    # grid: (T, cdiv(H, BLOCK)); o: [T*k, H] packed (a token's k rows adjacent, in rank order);
-    # tw: f32[T*k]; y: [T, H] (rows strided)
-    # SHARED: y = routed + x * sigmoid(gate), the shared expert's output joining the routed
-    # experts' (models/moe.py: sigmoid_mul then add), with gdn.sigmoid_mul_kernel's formula and
-    # roundings (HAS_ADD, GATE_PER_HEAD): x: [T, H] packed, gate: [T, 1] (rows strided by stride_gt)
-    pdl_enter(PDL)  # before any global access (pdl.py)
-    t, pid = tl.program_id(0), tl.program_id(1)
-    if t >= tl.load(n_rows_ptr):
-        return
-    cols = pid * BLOCK + tl.arange(0, BLOCK)
-    m = cols < H
+def moe_sum_row(o_ptr, tw_ptr, x_ptr, gate_ptr, stride_gt, t, cols, m, dt: tl.constexpr, H: tl.constexpr,
+                TOPK: tl.constexpr, SHARED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Token t's MoE layer output at `cols` (mask m), rounded to dt: moe_sum_kernel's row, and
+    the row rms_norm_kernel / fp8_quant_kernel sum in place of x when the lowering hands them the
+    layer's sum (lower.py _norm_takes_moe_sum). One body for every kernel that computes it, so a
+    token's bits do not depend on which launch ran its sum.
+    o: [T*k, H] packed (a token's k rows adjacent, in rank order); tw: f32[T*k]. SHARED: + the
+    shared expert's x * sigmoid(gate) (models/moe.py: sigmoid_mul then add), with
+    gdn.sigmoid_mul_kernel's formula and roundings (HAS_ADD, GATE_PER_HEAD): x: [T, H] packed,
+    gate: [T, 1] (rows strided by stride_gt)."""
     src = o_ptr + t.to(tl.int64) * (TOPK * H) + cols
-    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    y = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOPK):  # rank order from zero: graph/moe_ops.py's `y += w_j * o_j`
         o = tl.load(src + j * H, mask=m, other=0.0).to(tl.float32)
         y = y + _mul_rn(tl.load(tw_ptr + t * TOPK + j), o, INTERPRET)
-    dt = y_ptr.dtype.element_ty
     out = y.to(dt)  # the routed experts' output, rounded as moe_experts rounds it
     if SHARED:
         x = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=m, other=0.0).to(tl.float32)
         gt = tl.load(gate_ptr + t.to(tl.int64) * stride_gt).to(tl.float32)
         sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
         out = (out.to(tl.float32) + (x * sg).to(dt).to(tl.float32)).to(dt)
+    return out
+
+
+@triton.jit
+def moe_sum_kernel(o_ptr, tw_ptr, y_ptr, n_rows_ptr, stride_y, x_ptr, gate_ptr, stride_gt,
+                   H: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                   PDL: tl.constexpr = False, SHARED: tl.constexpr = False):
+    # grid: (T, cdiv(H, BLOCK)); y: [T, H] (rows strided); the row: moe_sum_row (o, tw, and with
+    # SHARED the shared expert's x and gate)
+    pdl_enter(PDL)  # before any global access (pdl.py)
+    t, pid = tl.program_id(0), tl.program_id(1)
+    if t >= tl.load(n_rows_ptr):
+        return
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    out = moe_sum_row(o_ptr, tw_ptr, x_ptr, gate_ptr, stride_gt, t, cols, m, y_ptr.dtype.element_ty, H, TOPK,
+                      SHARED, INTERPRET)
     tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, out, mask=m)
 
 
