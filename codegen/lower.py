@@ -740,7 +740,7 @@ class _Lowerer:
         h = out.shape[1]
         dt = dtype_name(out)
         cfg = self.configs.moe(t, k, e, h, two_i // 2, dt, self.arch)
-        tiles = k_moe.fp8_tiles(cfg.tiles, self.arch) if "fp8" in quant else cfg.tiles
+        tiles = k_moe.quantised_tiles(cfg.tiles, self.arch, fp8="fp8" in quant, nvfp4="nvfp4" in quant)
         need = k_moe.moe_workspace(t, k, e, h, two_i // 2, dt, path=cfg.path, block_m=tiles[0].block_m)
         ws = {name: self.workspace(f"moe_{name}", shape, out.np_dtype if d == dt else np.dtype(d))
               for name, (shape, d) in need.items()}

@@ -39,6 +39,7 @@ from kiln.codegen.triton.launch import (KernelSpec, as_buf, check, check_dtype, 
                                         launch, shape_of, strides_of)
 from kiln.codegen.triton.moe_align import moe_align, moe_align_capacity, moe_align_spec
 from kiln.codegen.triton.moe_gemm import Fp8Experts, MoeTile, moe_down_spec, moe_gate_up_spec, moe_sum_spec
+from kiln.codegen.triton.nvfp4_gemm import SM90_MAX_ROWS
 from kiln.graph.gguf_blocks import BLOCKS, row_bytes
 
 DECODE_MAX_ASSIGNMENTS = 64  # T * k up to which a bucket takes the decode path (a speed knob)
@@ -90,6 +91,25 @@ def fp8_tiles(tiles: tuple[MoeTile, MoeTile], arch: str) -> tuple[MoeTile, MoeTi
     return tuple(replace(t, block_m=max(64, t.block_m), num_warps=max(4, -(-t.num_warps // 4) * 4)) for t in tiles)
 
 
+def nvfp4_tiles(tiles: tuple[MoeTile, MoeTile], arch: str) -> tuple[MoeTile, MoeTile]:
+    """NVFP4 experts (moe_gemm NV): on sm_90 at most 32 rows a tile, so that every bucket runs mma.sync
+    (nvfp4_gemm.nvfp4_tile says why: a 64-row wgmma tile of the dequantised operand moved a few
+    outputs by a bf16 ulp on the H100); the decode form's 16 rows already are. A schedule knob that
+    moves no sum. Other archs keep the schedule's tiles."""
+    if arch != "sm_90":
+        return tiles
+    return tuple(replace(t, block_m=min(SM90_MAX_ROWS, t.block_m)) for t in tiles)
+
+
+def quantised_tiles(tiles: tuple[MoeTile, MoeTile], arch: str, *, fp8: bool = False,
+                    nvfp4: bool = False) -> tuple[MoeTile, MoeTile]:
+    """The tiles quantised experts run from the schedule's (bf16 experts') tiles: fp8_tiles or nvfp4_tiles
+    (the lowering sizes the align step's scratch by them, moe_experts launches them)."""
+    if fp8:
+        return fp8_tiles(tiles, arch)
+    return nvfp4_tiles(tiles, arch) if nvfp4 else tiles
+
+
 def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "bfloat16", *,
                       path: str | None = None, tiles: tuple[MoeTile, MoeTile] | None = None,
                       arch: str = "sm_90", qtypes: tuple[str, str] | None = None,
@@ -105,7 +125,7 @@ def moe_experts_specs(t: int, top_k: int, e: int, h: int, i: int, dtype: str = "
     if fp8:
         gu, dn = fp8_tiles((gu, dn), fp8.arch)
     if nvfp4:
-        gu, dn = gguf_tiles((gu, dn), h, i, 16)
+        gu, dn = gguf_tiles(nvfp4_tiles((gu, dn), arch), h, i, 16)
     q = dict(fp8=fp8, nvfp4=nvfp4)
     if path == "decode":
         return [moe_gate_up_spec(t, top_k, e, h, i, dtype, tile=gu, decode=True, qtype=q13, **q),
@@ -212,9 +232,8 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, out=None, *, path: str | Non
     t, h, e, i, k = _check_layer(x, topk_ids, topk_weights, w13, w2, qtypes, fp8, nvfp4)
     path = path or moe_path(t, k)
     check(not (defer_sum and path == "decode_token"), "moe: the decode_token path sums in its down GEMM")
-    gu, dn = tiles or moe_tiles(t, k, e, h, i, arch, path)
-    if fp8:
-        gu, dn = fp8_tiles((gu, dn), arch)
+    gu, dn = quantised_tiles(tiles or moe_tiles(t, k, e, h, i, arch, path), arch, fp8=fp8 is not None,
+                             nvfp4=nvfp4 is not None)
     if out is None:
         import ml_dtypes
         out = as_buf(np.empty((t, h), ml_dtypes.bfloat16 if fp8 else x.dtype))

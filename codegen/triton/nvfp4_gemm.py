@@ -51,13 +51,22 @@ class Nvfp4Tile:
     group_m: int = 8
 
 
+SM90_MAX_ROWS = 32  # mma.sync tiles only on sm_90 (nvfp4_tile, moe.nvfp4_tiles)
+
+
 def nvfp4_tile(m: int, arch: str = "sm_90") -> Nvfp4Tile:
     """Defaults, not yet tuned on a GPU: decode (M <= 16) narrow column tiles so that many programs
-    stream the packed weight; prefill 64- or 128-row tiles. sm_121 (~99 KiB of shared memory a
-    block) keeps fewer stages."""
+    stream the packed weight; prefill wider tiles. sm_121 (~99 KiB of shared memory a block) keeps
+    fewer stages. On sm_90 every tile has at most 32 rows, so every bucket runs mma.sync: on the
+    H100 a 64-row (wgmma) tile of the dequantised W4A16 operand gave other bits than the 16- and
+    32-row (mma.sync) tiles for a few outputs (~1 bf16 ulp, 36 of 153,600 in the NVFP4 MoE experts
+    probe, bench/moe_tile_bits_probe.py), where bf16 weights loaded from memory give one set of bits
+    in both forms; a token's row must not depend on its bucket (DESIGN "Invariance by construction")."""
     stages = 3 if arch == "sm_90" else 2
     if m <= 16:
         return Nvfp4Tile(16, 32, 128, 4, stages)
+    if arch == "sm_90":
+        return Nvfp4Tile(SM90_MAX_ROWS, 64 if m <= 64 else 128, 64, 4, stages)
     if m <= 64:
         return Nvfp4Tile(64, 64, 64, 4, stages)
     return Nvfp4Tile(128, 128, 64, 8, stages)

@@ -49,14 +49,13 @@ def specs():
 
 
 def test_nvfp4_gemm_is_bf16_tensor_core_math():
+    """bf16 tensor-core math in every bucket, and one instruction form: mma.sync (on sm_90 a 64-row wgmma
+    tile of the dequantised operand gave other bits than mma.sync on the H100: nvfp4_gemm.nvfp4_tile)."""
     pytest.importorskip("triton")
     found = mma_instructions(_PTX_SPECS)
     for key, instrs in found.items():
         assert instrs and all(".bf16" in i for i in instrs), (key, instrs)
-        if key.startswith("sm_90/") and not key.endswith("/1"):
-            assert all(i.startswith("wgmma.mma_async") for i in instrs), (key, instrs)
-        else:
-            assert all(i.startswith("mma.sync") for i in instrs), (key, instrs)
+        assert all(i.startswith("mma.sync") for i in instrs), (key, instrs)
 
 
 def test_build_compile_takes_an_nvfp4_checkpoint(tmp_path, capsys, monkeypatch):

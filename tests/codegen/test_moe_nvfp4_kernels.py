@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kiln.codegen.triton.aot import compile_specs
-from kiln.codegen.triton.moe import moe_experts, moe_experts_specs
+from kiln.codegen.triton.moe import moe_experts, moe_experts_specs, quantised_tiles
+from kiln.codegen.triton.moe_gemm import MoeTile
 from kiln.graph.nvfp4_ops import moe_experts_nvfp4
 from tests.codegen.helpers import BF16, assert_close, f32, rand, require_interpreter, same_bits
 from tests.codegen.test_moe_fp8_kernels import PATHS, _routing
@@ -72,6 +73,28 @@ def test_a_tokens_bits_do_not_depend_on_its_batch_or_path():
     for j in (0, 27):
         for path in PATHS:
             assert same_bits(_run(x[j:j + 1], ids[j:j + 1], w[j:j + 1], ex, path=path)[0], full[j]), (j, path)
+
+
+def test_sm90_nvfp4_expert_tiles_are_mma_sync_tiles():
+    """On sm_90 every NVFP4 expert GEMM has at most 32 rows in every path and bucket, whatever the
+    schedule asks (a bf16 experts' schedule may take 64- or 128-row tiles), so that every bucket runs
+    mma.sync: a 64-row wgmma tile moved a few outputs by a bf16 ulp on the H100 (moe.nvfp4_tiles);
+    the align step's block is the tiles' rows. sm_121 keeps the schedule's tiles."""
+    big = MoeTile(block_m=128, block_n=64, block_k=64, num_warps=8)
+    for arch in ("sm_90", "sm_121"):
+        for t, path in ((1, "decode"), (1, "decode_token"), (512, "grouped"), (4096, "grouped")):
+            for tiles in (None, (big, big)):
+                specs = moe_experts_specs(t, 8, 256, 2048, 512, path=path, arch=arch, nvfp4=True, tiles=tiles)
+                gemms = [s for s in specs if s.kernel in ("moe_gate_up_kernel", "moe_down_kernel")]
+                assert all(s.constexprs["NV"] for s in gemms)
+                rows = {s.constexprs["BLOCK_M"] for s in gemms}
+                if arch == "sm_90":
+                    assert max(rows) <= 32, (path, t, rows)
+                elif tiles and path == "grouped":
+                    assert rows == {128}
+                if path == "grouped":
+                    assert specs[0].constexprs["BLOCK_M"] == gemms[0].constexprs["BLOCK_M"]  # the align step's
+    assert quantised_tiles((big, big), "sm_90", nvfp4=True)[0].block_m == 32
 
 
 @pytest.mark.slow
