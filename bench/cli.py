@@ -38,6 +38,8 @@ FLAGS: list[tuple[str, dict]] = [
     ("--context", dict(type=int, help="decode: prompt tokens before the timed steps (default: 512)")),
     ("--steps", dict(type=int, help="decode: timed batch-1 decode steps (default: 128)")),
     ("--repeats", dict(type=int, help="decode, prefill: timed runs, the median is reported (default: 3)")),
+    ("--profile", dict(action="store_true", help="decode on a GPU: also time every kernel of one batch-1 decode "
+                                                 "step at --context (events between launches) into the record")),
     ("--seed", dict(type=int, default=0, help="seed of the random prompts and lengths")),
     ("--temperature", dict(type=float, default=0.0, help="decode, throughput, random-256, server: sample at this "
                                                          "temperature instead of greedily (0: greedy)")),

@@ -236,10 +236,24 @@ def decode(a) -> dict:
 
             ms = gpu_only_decode_ms(llm.model.executor)  # the graph replays the last step's inputs
             res.update(gpu_decode_ms=ms, gpu_decode_tok_s=1e3 / ms if ms else None)
+            if getattr(a, "profile", False):
+                res["profile"] = decode_profile(llm, a.context)
     res.update(decode_ms=1e3 * statistics.median(tpots), runs_tok_s=[1 / t for t in tpots], context=a.context,
                steps=a.steps, repeats=a.repeats, output_tokens=produced,
                expected_output_tokens=a.repeats * (a.steps + 1))
     return res
+
+
+def decode_profile(llm, context: int) -> dict:
+    """Per-kernel GPU time of one batch-1 decode step at `context` tokens (bench/gpu_shape_decode.py's
+    profile: the step's launches with events between them, and the bucket as one plain graph). The
+    step reads the first blocks of the KV cache and state slot 1 as they are: timing only."""
+    from kiln.bench.gpu_shape_decode import profile
+    from kiln.runtime.worker.input_batch import SeqChunk, prepare_step
+
+    bs = llm.model.block_size
+    step = prepare_step([SeqChunk([1], context, list(range(context // bs + 1)), state_slot=1)], bs)
+    return profile(llm.model.executor, step)
 
 
 def prefill(a) -> dict:

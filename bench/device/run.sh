@@ -30,7 +30,7 @@ bench)
   # FORMAT (bf16 default | fp8 | nvfp4 | q4k): the random checkpoint's format; records are named
   # <gpu>_<shape>_[<format>_]<workload>_<commit>.json as issues 38 and 40 ask, <gpu> from the card
   s=$1; w=${2:-decode}; f=${FORMAT:-bf16}; m=/tmp/m_${s}_$f
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr H h); gpu=${gpu:-gpu}
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr H h); gpu=${gpu:-gpu}
   tagf=$([ "$f" = bf16 ] && [ -z "$FORMAT" ] && echo "" || echo "${f}_")
   pure=$([ "$f" = q4k ] && echo --pure)  # issue 40: every linear Q4_K (llama-quantize --pure)
   [ -d $m ] || python3 bench/make_random_model.py --shape $s --format $f $pure --out $m --spill-dir /dev/shm/m_${s}_$f --keep-gb 40 2>&1 | tail -3
