@@ -56,6 +56,20 @@ SPLIT_KV_MAX_SEQS = 64
 COLLECTIVES = ("nccl", "peer")
 NCCL_GATHER = "nccl_gather"  # the workspace region NCCL all-gathers into: [WORLD, rows, n]
 MERGE_COUNTER = "attn_merge_counter"  # the region of the split-KV merge counters (op_paged_attention)
+MOE_EXPERTS = tuple(ROUTING_WEIGHTS)  # the ops that write the `moe_o` scratch (op_moe_experts)
+MOE_SUM_NORMS = ("add_rms_norm", "add_rms_norm_quant")  # norms whose launch can run a MoE layer's sum
+
+
+@dataclass(frozen=True)
+class _MoeSum:
+    """A MoE layer's rank-order sum not launched yet (lower.py _defer_moe_sum): the expert rows
+    (the `moe_o` scratch), the routing weights, the live rows, the shared expert's (x, gate) once
+    its sigmoid_mul joined it (else None), and the tensors it reads, which must outlive it."""
+    o: Buf
+    weights: Buf
+    n_rows: Buf
+    shared: tuple[Buf, Buf] | None
+    reads: tuple[str, ...]
 
 
 def split_kv(bucket: Bucket) -> bool:
@@ -131,7 +145,8 @@ class _Lowerer:
         self.done: set[str] = set()  # nodes another op's launches already computed (op_linear_add's norm)
         self.visited: set[str] = set()  # nodes lowered so far, in topological order
         self.position: dict[str, int] = {}  # node -> its place in the topological order (lower())
-        self.moe_pending: dict[str, tuple] = {}  # moe_experts output -> (o, weights, n_rows): its sum not yet run
+        self.moe_pending: dict[str, _MoeSum] = {}  # a MoE layer's output -> its sum, not yet launched
+        self.unwritten: set[str] = set()  # tensors no launch stores: a later launch computes them inline
         regions.need("inputs", input_bytes(bucket, mb, self.hybrid))
 
     def state_root(self, name: str) -> str:
@@ -354,8 +369,27 @@ class _Lowerer:
         k_norm.rms_norm(self.buf(x), self.buf(w), self.buf(node.outputs[0]), eps=node.attrs["eps"],
                         offset=node.attrs.get("offset", 0.0), n_rows=self.n_rows(x), configs=self.configs)
 
+    def _pending_moe_input(self, node) -> tuple[_MoeSum, str] | None:
+        """A norm's (x, res) where one is a MoE layer's output whose sum this launch runs
+        (_norm_takes_moe_sum) -> (that sum, the other one, the residual); else None."""
+        x, res = node.inputs[:2]
+        y = x if x in self.moe_pending else res if res in self.moe_pending else None
+        if y is None:
+            return None
+        other = res if y == x else x
+        if other in self.partials:  # _norm_takes_moe_sum saw it lowered, unsplit
+            raise LoweringError(f"{node.name}: a MoE layer's sum and split-K partials in one norm")
+        return self.moe_pending.pop(y), other
+
     def op_add_rms_norm(self, node) -> None:
         x, res, w = node.inputs
+        moe = self._pending_moe_input(node)
+        if moe is not None:  # the MoE layer's sum in this launch: its moe_sum launch saved
+            s, res = moe
+            k_norm.add_rms_norm(s.o, self.buf(res), self.buf(w), self.buf(node.outputs[0]), self.buf(node.outputs[1]),
+                                eps=node.attrs["eps"], offset=node.attrs.get("offset", 0.0), n_rows=self.n_rows(x),
+                                configs=self.configs, moe=(s.weights, s.shared))
+            return
         if res in self.partials:  # x + residual is symmetric (one f32 add): the partials go in as x
             x, res = res, x
         xb, split = self.partials.pop(x, (self.buf(x), 0))
@@ -395,10 +429,15 @@ class _Lowerer:
         x, res, w = node.inputs[:3]
         q, s = self._quant_outs(node)
         a = node.attrs
-        k_quant.add_rms_norm_quant(self.buf(x), self.buf(res), self.buf(w), *self._static_scales(node.inputs[3:]),
+        xb, moe = self.buf(x), None
+        pending = self._pending_moe_input(node)
+        if pending is not None:  # the MoE layer's sum in this launch (op_add_rms_norm's)
+            (ms, res), moe = pending, (pending[0].weights, pending[0].shared)
+            xb = ms.o
+        k_quant.add_rms_norm_quant(xb, self.buf(res), self.buf(w), *self._static_scales(node.inputs[3:]),
                                    q=q, s=s, res_out=self.buf(node.outputs[2]), eps=a["eps"],
                                    offset=a.get("offset", 0.0), group=a["group"], min_scale=a.get("min_scale", 0.0),
-                                   n_rows=self.n_rows(x), configs=self.configs)
+                                   n_rows=self.n_rows(x), configs=self.configs, moe=moe)
 
     def op_silu_mul_quant(self, node) -> None:
         gate, up = node.inputs[:2]
@@ -534,9 +573,16 @@ class _Lowerer:
         fused = users[0] if len(users) == 1 and users[0].op == "add" and out not in self.g.outputs else None
         routed = next((t for t in fused.inputs if t in self.moe_pending), None) if fused is not None else None
         if routed is not None:  # the routed experts' rank-order sum, this product and the add: one launch
-            o, tw, n_rows = self.moe_pending.pop(routed)
-            k_moe.moe_sum(o, tw, self.buf(fused.outputs[0]), n_rows=n_rows, shared=(self.buf(x), self.buf(gate)))
+            s = self.moe_pending.pop(routed)
+            s = dataclasses.replace(s, shared=(self.buf(x), self.buf(gate)), reads=s.reads + (x, gate))
+            y = fused.outputs[0]
             self.done.add(fused.name)
+            self.unwritten.add(out)
+            if self._norm_takes_moe_sum(y, self.position[node.name], s.reads):  # later still: in the norm
+                self.moe_pending[y] = s
+                self.unwritten.add(y)
+            else:
+                k_moe.moe_sum(s.o, s.weights, self.buf(y), n_rows=s.n_rows, shared=s.shared)
             return
         addend = None
         if fused is not None:
@@ -558,6 +604,7 @@ class _Lowerer:
         k_gdn.sigmoid_mul(xb, gb, yb, n_rows=self.n_rows(x), add=addend)
         if fused is not None:
             self.done.add(fused.name)
+            self.unwritten.add(out)
 
     # -- tensor parallel (issue 44, docs/TENSOR_PARALLEL.md): one plan for every rank --------
     # Every rank's plan is the same (same shapes, same arena offsets), so rank r's copy of a
@@ -670,19 +717,42 @@ class _Lowerer:
         k_moe.moe_experts(x, ids, weights, w13, w2, self.buf(node.outputs[0]), path=path, tiles=tiles,
                           n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch, defer_sum=defer)
         if defer:
-            self.moe_pending[node.outputs[0]] = (ws["o"], weights, self.n_rows(node.inputs[0]))
+            self._pend_moe_sum(node, ws["o"], weights)
+
+    def _pend_moe_sum(self, node, o: Buf, weights: Buf) -> None:
+        tw = node.inputs[ROUTING_WEIGHTS[node.op]]
+        self.moe_pending[node.outputs[0]] = _MoeSum(o, weights, self.n_rows(node.inputs[0]), None, (tw,))
+        self.unwritten.add(node.outputs[0])
+
+    def _lives_until(self, names, hi: int) -> bool:
+        """Whether these tensors' bytes are still theirs at the launch of node number hi: the
+        memory plan's lifetimes (passes/plan_memory.py ROUTING_WEIGHTS keeps a deferred MoE
+        sum's operands so); tensors it does not plan (weights, inputs) always are."""
+        return all(self.plan.lifetimes.get(self.plan.aliases.get(t, t), (0, hi))[1] >= hi for t in names)
+
+    def _no_moe_between(self, lo: int, hi: int) -> bool:
+        """No MoE experts layer (the `moe_o` scratch's other writers) lowers strictly between."""
+        return not any(self.position[n.name] in range(lo + 1, hi) for n in self.g.nodes.values()
+                       if n.op in MOE_EXPERTS)
 
     def _defer_moe_sum(self, node, path: str) -> bool:
-        """Whether a MoE layer's rank-order sum (moe_sum_kernel) waits for the shared expert's
-        sigmoid_mul, which then runs it with its product and the add in one launch (op_sigmoid_mul,
-        moe.moe_sum): where the layer's output y has one user, an add with the output of a
+        """Whether a MoE layer's rank-order sum (moe_sum_kernel) waits for a later launch that runs
+        it beside its own work: the next norm's, where the layer's output y goes straight into it
+        (_norm_takes_moe_sum: no shared expert), or else the shared expert's sigmoid_mul's, which
+        runs it with its product and the add (op_sigmoid_mul, moe.moe_sum) or hands all three on
+        to the norm after the add. The latter where y has one user, an add with the output of a
         sigmoid_mul of [T, H] by a [T, 1] gate that has no other user and runs later, and no other
         MoE layer (the `moe_o` scratch's other writer) lowers in between. Numerics unchanged: the
         same sum, rounding, product and add as the three ops (issue 37: the decode path then has
-        gate_up, down and this launch, as many as before its down GEMM was split by assignment)."""
+        gate_up, down and this launch, as many as before its down GEMM was split by assignment;
+        with the norm taking it, one launch fewer than that)."""
         y = node.outputs[0]
         if path not in ("decode", "grouped") or y in self.g.outputs:
             return False
+        lo = self.position[node.name]
+        tw = node.inputs[ROUTING_WEIGHTS[node.op]]
+        if self._norm_takes_moe_sum(y, lo, (tw,)):  # no shared expert: straight into the next norm
+            return True
         users = self.users.get(y, [])
         if len(users) != 1 or users[0].op != "add":
             return False
@@ -697,14 +767,36 @@ class _Lowerer:
         ys = self.g.tensors[y]
         if tuple(xs.shape) != tuple(ys.shape) or len(gs.shape) != 2 or gs.shape[1] != 1 or xs.dtype != ys.dtype:
             return False
-        lo, hi = self.position[node.name], self.position[sm.name]
+        hi = self.position[sm.name]
         # the routing weights are read by the deferred sum: their bytes must outlive the shared
         # expert's launches (passes/plan_memory.py ROUTING_WEIGHTS keeps them so)
-        tw = node.inputs[ROUTING_WEIGHTS[node.op]]
-        if self.plan.lifetimes.get(self.plan.aliases.get(tw, tw), (0, hi))[1] < hi:
+        return self._lives_until((tw,), hi) and self._no_moe_between(lo, hi)
+
+    def _norm_takes_moe_sum(self, y: str, lo: int, reads: tuple[str, ...]) -> bool:
+        """Whether the launch of the norm after a MoE layer can run the layer's sum (its rows in
+        `moe_o` as written by the experts lowered at node lo, the routing weights and, once the
+        shared expert's sigmoid_mul joined it, that product: `reads`), so that the layer's output
+        y is never written and its moe_sum launch is saved (rms_norm.py, fp8_quant.py: the same
+        moe_sum_row, so the same bits). Where y has one user, an add_rms_norm(_quant) taking it
+        as x or res, whose other operand is lowered already and not split-K partials; no other
+        MoE layer (the `moe_o` scratch's other writer) lowers before the norm; and every tensor
+        read lives until the norm's launch (passes/plan_memory.py keeps them so)."""
+        users = self.users.get(y, [])
+        if y in self.g.outputs or len(users) != 1 or users[0].op not in MOE_SUM_NORMS:
             return False
-        return not any(self.position[n.name] in range(lo + 1, hi) for n in self.g.nodes.values()
-                       if n.op in ("moe_experts", "moe_experts_gguf", "moe_experts_fp8", "moe_experts_nvfp4"))
+        norm = users[0]
+        pair = norm.inputs[:2]
+        if y not in pair or pair[0] == pair[1] or norm.name in self.done:
+            return False
+        res = pair[1] if pair[0] == y else pair[0]
+        src = self.g.producer(res)
+        if res in self.partials or (src is not None and src.name not in self.visited):
+            return False
+        ys, rs = self.g.tensors[y], self.g.tensors[res]
+        if len(ys.shape) != 2 or tuple(ys.shape) != tuple(rs.shape) or ys.dtype != rs.dtype:
+            return False
+        hi = self.position[norm.name]
+        return self._lives_until(reads, hi) and self._no_moe_between(lo, hi)
 
     def op_moe_experts_gguf(self, node) -> None:
         """op_moe_experts with the experts in GGUF blocks (graph/gguf_ops.py): the same path, tiles
@@ -748,7 +840,7 @@ class _Lowerer:
         k_moe.moe_experts(x, ids, weights, w13, w2, out, path=cfg.path, tiles=tiles,
                           n_rows=self.n_rows(node.inputs[0]), workspace=ws, arch=self.arch, defer_sum=defer, **quant)
         if defer:
-            self.moe_pending[node.outputs[0]] = (ws["o"], weights, self.n_rows(node.inputs[0]))
+            self._pend_moe_sum(node, ws["o"], weights)
 
     def op_paged_attention(self, node) -> None:
         q, cache, bt, sl, qsl = node.inputs

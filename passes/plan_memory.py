@@ -22,9 +22,11 @@ from kiln.graph import Graph, TensorKind
 # lowering's business: plan offsets of views are their owner's)
 ALIAS_OPS = ("reshape", "slice_cols")
 # MoE experts ops -> the index of their routing-weights input. The lowering may run a layer's
-# rank-order sum later, in the launch of the shared expert's sigmoid_mul that feeds the add of the
-# layer's output (codegen/lower.py _defer_moe_sum), which reads the routing weights there: they live
-# until the layer's output is last read, so nothing the shared expert writes meanwhile takes their bytes.
+# rank-order sum later (codegen/lower.py _defer_moe_sum), in the launch of the shared expert's
+# sigmoid_mul that feeds the add of the layer's output, or in the launch of the norm that reads the
+# layer's output (the add's, where there is a shared expert): it reads the routing weights there, and
+# the shared expert's x and gate in the norm. So they live until the layer's output is last read
+# (_moe_sum_reads), and nothing written meanwhile takes their bytes.
 ROUTING_WEIGHTS = {"moe_experts": 2, "moe_experts_gguf": 2, "moe_experts_fp8": 3, "moe_experts_nvfp4": 2}
 
 
@@ -63,11 +65,19 @@ def plan_memory(graph: Graph, dims: Mapping[str, int], alignment: int = 256) -> 
             if t and owner(t) in life:
                 life[owner(t)][1] = max(life[owner(t)][1], i)
     end = len(order)
-    for i, node in enumerate(order):
-        w = ROUTING_WEIGHTS.get(node.op)
-        if w is not None and owner(node.inputs[w]) in life and owner(node.outputs[0]) in life:
-            tw = life[owner(node.inputs[w])]
-            tw[1] = max(tw[1], life[owner(node.outputs[0])][1])
+    users: dict[str, list] = {}
+    for node in order:
+        for t in node.inputs:
+            if t:
+                users.setdefault(t, []).append(node)
+    for node in order:
+        if node.op not in ROUTING_WEIGHTS:
+            continue
+        y, reads = _moe_sum_reads(graph, node, users)
+        if owner(y) in life:
+            for t in reads:
+                if owner(t) in life:
+                    life[owner(t)][1] = max(life[owner(t)][1], life[owner(y)][1])
     for t in graph.outputs:  # read back after the step
         if owner(t) in life:
             life[owner(t)][1] = end
@@ -90,6 +100,22 @@ def plan_memory(graph: Graph, dims: Mapping[str, int], alignment: int = 256) -> 
             offsets[view] = offsets[src]
     arena = max((o + s for o, s, _, _ in placed), default=0)
     return MemoryPlan(offsets, sizes, arena, aliases, {t: tuple(v) for t, v in life.items()})
+
+
+def _moe_sum_reads(graph: Graph, node, users) -> tuple[str, list[str]]:
+    """A MoE experts node -> (the layer's output: its own, or where its one user is an add, the
+    add's; what a deferred sum of the layer reads besides the experts' scratch: the routing
+    weights, and the inputs of a sigmoid_mul (the shared expert's) that feeds that add)."""
+    y, reads = node.outputs[0], [node.inputs[ROUTING_WEIGHTS[node.op]]]
+    after = users.get(y, [])
+    if len(after) == 1 and after[0].op == "add":
+        add = after[0]
+        for t in add.inputs:
+            src = graph.producer(t) if t != y else None
+            if src is not None and src.op == "sigmoid_mul":
+                reads += [t for t in src.inputs if t]
+        y = add.outputs[0]
+    return y, reads
 
 
 def _nbytes(graph: Graph, name: str, dims: Mapping[str, int]) -> int:

@@ -60,14 +60,20 @@ def test_moe_plan_matches_numpy():
     mixed = Counter(spec.kernel for spec, _ in run.lowered[MIXED])
     decode = Counter(spec.kernel for spec, _ in run.lowered[DECODE])
     assert mixed["moe_router_kernel"] == decode["moe_router_kernel"] == layers
-    assert mixed["moe_align_kernel"] == mixed["moe_sum_kernel"] == layers and decode["moe_align_kernel"] == 0
+    assert mixed["moe_align_kernel"] == layers and decode["moe_align_kernel"] == 0
     # the decode path: GEMMs over (column block, assignment), then the rank-order sum; in both
     # buckets that sum also runs the shared expert's sigmoid_mul and the add (lower.py
-    # _defer_moe_sum), so no sigmoid_mul of a [T, 1] gate is left
-    assert decode["moe_sum_kernel"] == decode["moe_gate_up_kernel"] == decode["moe_down_kernel"] == layers
+    # _defer_moe_sum), so no sigmoid_mul of a [T, 1] gate is left; and but for the last layer's
+    # (its output goes through the logits' gather_rows) the next layer's add_rms_norm runs it
+    # (lower.py _norm_takes_moe_sum): one moe_sum launch a model, not one a layer
+    assert decode["moe_gate_up_kernel"] == decode["moe_down_kernel"] == layers
     for bucket in (MIXED, DECODE):
         sums = [spec for spec, _ in run.lowered[bucket] if spec.kernel == "moe_sum_kernel"]
-        assert all(spec.constexprs.get("SHARED") for spec in sums), bucket
+        assert len(sums) == 1 and all(spec.constexprs.get("SHARED") for spec in sums), bucket
+        norms = [spec for spec, _ in run.lowered[bucket] if spec.kernel == "rms_norm_kernel"
+                 and spec.constexprs.get("MOE_TOPK")]
+        assert len(norms) == layers - 1 and all(spec.constexprs["MOE_TOPK"] == TOP_K and spec.constexprs["MOE_SHARED"]
+                                                for spec in norms), bucket
         assert not any(spec.constexprs.get("GATE_PER_HEAD") for spec, _ in run.lowered[bucket]
                        if spec.kernel == "sigmoid_mul_kernel"), bucket
     assert all(spec.constexprs.get("SPLIT") for spec, _ in run.lowered[DECODE] if spec.kernel == "moe_down_kernel")

@@ -35,9 +35,9 @@ NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size":
                 "exclude_modules": ["lm_head"]}
 
 
-def fp8_moe_model(seed: int = 0, qc=None):
+def fp8_moe_model(seed: int = 0, qc=None, layers: int = 1):
     qc = qc or {**BLOCK_CONFIG, "modules_to_not_convert": ["lm_head"]}
-    cfg = ModelConfig.from_hf_dict({**BASE, **MOE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 1,
+    cfg = ModelConfig.from_hf_dict({**BASE, **MOE, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": layers,
                                     "max_position_embeddings": MAX_LEN, "quantization_config": qc})
     graph = run_pipeline(get_graph_builder(cfg.architecture)(cfg, dtype=DType.bf16, block_size=BS))
     rng = np.random.default_rng(seed)
@@ -64,13 +64,19 @@ def fp8_moe_model(seed: int = 0, qc=None):
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_quantised_moe_plan_matches_numpy_node_by_node(fmt):
-    cfg, graph, weights = fp8_moe_model(qc=NVFP4_CONFIG if fmt == "nvfp4" else None)
-    assert [n.op for n in graph.nodes.values()].count(f"moe_experts_{fmt}") == 1
+    cfg, graph, weights = fp8_moe_model(qc=NVFP4_CONFIG if fmt == "nvfp4" else None, layers=2)
+    assert [n.op for n in graph.nodes.values()].count(f"moe_experts_{fmt}") == 2
     run = _NodePlan(cfg, graph, weights)
+    # layer 0's sum runs in layer 1's input norm (lower.py _norm_takes_moe_sum: FP8's quantising
+    # add_rms_norm_quant, NVFP4's (W4A16) add_rms_norm), checked node by node against the reference
+    # norm of the reference layer output; layer 1's output goes through the logits' gather: moe_sum
+    norm = "fp8_quant_kernel" if fmt == "fp8" else "rms_norm_kernel"
     for b in BUCKETS:
         kernels = Counter(spec.kernel for spec, _ in run.lowered[b])
-        assert kernels["moe_gate_up_kernel"] == kernels["moe_down_kernel"] == 1
-        assert kernels["moe_align_kernel"] == (0 if b.decode else 1)
+        assert kernels["moe_gate_up_kernel"] == kernels["moe_down_kernel"] == 2
+        assert kernels["moe_align_kernel"] == (0 if b.decode else 2) and kernels["moe_sum_kernel"] == 1
+        fused = [spec for spec, _ in run.lowered[b] if spec.kernel == norm and spec.constexprs.get("MOE_TOPK")]
+        assert len(fused) == 1 and not fused[0].constexprs.get("MOE_SHARED")
         gemms = [spec for spec, _ in run.lowered[b] if spec.kernel in ("moe_gate_up_kernel", "moe_down_kernel")]
         if fmt == "fp8":
             assert all(s.constexprs["FP8"] and s.signature["w_ptr"] == "*fp8e4nv" and s.constexprs["BLOCK_M"] >= 64
