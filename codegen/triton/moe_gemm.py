@@ -127,9 +127,10 @@ def _w_tile_nv(w_ptr, s_ptr, rn, k0, dt, N: tl.constexpr, K: tl.constexpr, STEP:
     rb = k0 // 2 + tl.arange(0, STEP // 2)
     code = tl.load(w_ptr + rows * (K // 2) + rb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
     w = tl.interleave(_e2m1(code & 15), _e2m1(code >> 4))  # [BN, STEP]
-    rk = k0 + tl.arange(0, STEP)
-    sc = tl.load(s_ptr + rows * (K // 16) + (rk // 16)[None, :], mask=n_ok[:, None], other=0.0)
-    return tl.trans((w * sc.to(tl.float32)).to(dt))
+    rg = k0 // 16 + tl.arange(0, STEP // 16)  # the step's scale groups: one load each, then broadcast
+    sc = tl.load(s_ptr + rows * (K // 16) + rg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (rn.shape[0], STEP // 16, 16)), (rn.shape[0], STEP))
+    return tl.trans((w * sc).to(dt))
 
 
 @triton.jit

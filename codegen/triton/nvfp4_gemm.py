@@ -110,8 +110,10 @@ def nvfp4_gemm_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, bias_ptr, y_ptr, n_rows_ptr
         packed = tl.load(w_rows + rb[None, :], mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
         code = packed.to(tl.int32)  # [BN, BK / 2]
         w = tl.interleave(_e2m1(code & 15), _e2m1(code >> 4))  # [BN, BK]: column 2j low nibble, 2j+1 high
-        s = tl.load(ws_rows + (rk // 16)[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-        b = (w * s.to(tl.float32)).to(x_ptr.dtype.element_ty)  # exact: <= 6 significant bits
+        rg = k0 // 16 + tl.arange(0, STEP // 16)  # [BK / 16] scale groups
+        s = tl.load(ws_rows + rg[None, :], mask=n_ok[:, None] & (rg < K // 16)[None, :], other=0.0)
+        s = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, STEP // 16, 16)), (BLOCK_N, STEP))
+        b = (w * s).to(x_ptr.dtype.element_ty)  # exact: <= 6 significant bits
         acc = _dot_acc(a, tl.trans(b), acc, INTERPRET)  # [BM, BK] @ [BK, BN] chained into f32
     acc = acc * tl.load(ws2_ptr)  # the per-tensor scale, once on the f32 sums (the reference's order)
     if HAS_BIAS:
